@@ -1,0 +1,101 @@
+"""Spawn N gloo processes on CPU and run a function in each, with a hard timeout.
+
+Used by the test-suite (and handy for checking a setup): a deadlock or a crash in one rank fails
+loudly instead of hanging. ``fn`` must be importable (defined at module level).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank: int, world_size: int, port: int, timeout: float, args, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - the traceback is sent to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
+
+    Raises ``TimeoutError`` (after killing every process) when the ranks do not all finish within
+    ``timeout`` seconds, and ``RuntimeError`` with the failing ranks' tracebacks when any raised.
+    """
+    import queue as queue_mod
+    import time
+
+    ctx = mp.get_context("spawn")
+    results: "mp.Queue" = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcome: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"distributed run of {fn.__name__} with {world_size} ranks did not finish in "
+                    f"{timeout:.0f} s (ranks done: {sorted(outcome)}): deadlock or hang"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+                outcome[rank] = (ok, payload)
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in outcome]
+                if dead and all(p.exitcode not in (0, None) for p in (procs[i] for i in dead)):
+                    # A rank died without reporting (e.g. killed); give stragglers a moment.
+                    time.sleep(0.5)
+                    if results.empty():
+                        raise RuntimeError(
+                            f"rank(s) {dead} of {fn.__name__} died with exit codes "
+                            f"{[procs[i].exitcode for i in dead]}"
+                        )
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: msg for r, (ok, msg) in sorted(outcome.items()) if not ok}
+    if failures:
+        raise RuntimeError(
+            "\n".join(f"--- rank {r} of {world_size} failed:\n{msg}" for r, msg in failures.items())
+        )
+    return [outcome[r][1] for r in range(world_size)]
