@@ -105,35 +105,74 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, backend: str, group, rank: 
         raise ValueError("zigzag_ring_attention: " + " | ".join(messages))
 
 
+def forward_block(
+    kernel: BlockAttention, q: Tensor, kb: Tensor, vb: Tensor, out: Tensor | None, lse: Tensor | None,
+    *, step: int, source: int, rank: int, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One ring step of the forward: attend the local ``q`` to the K/V block of rank ``source``.
+
+    Returns the updated fp32 accumulators ``(out, lse)`` (created at step 0, merged in place after).
+    """
+    half = q.shape[1] // 2
+    if step == 0:
+        blk_out, blk_lse = kernel.forward(q, kb, vb, causal, scale)
+        acc = accumulator_dtype(q.dtype)
+        return blk_out.to(acc), blk_lse.to(acc).clone()
+    if not causal:
+        merge_attention_(out, lse, *kernel.forward(q, kb, vb, False, scale))
+    elif source < rank:
+        merge_attention_(out, lse, *kernel.forward(q, kb[:, :half], vb[:, :half], False, scale))
+    else:
+        blk_out, blk_lse = kernel.forward(q[:, half:], kb, vb, False, scale)
+        merge_attention_(out[:, half:], lse[:, :, half:], blk_out, blk_lse)
+    return out, lse
+
+
+def backward_block(
+    kernel: BlockAttention, dout: Tensor, q: Tensor, kb: Tensor, vb: Tensor, out: Tensor, lse: Tensor,
+    dq: Tensor, *, step: int, source: int, rank: int, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, slice]:
+    """One ring step of the backward against the K/V block of rank ``source``.
+
+    Adds the query gradient into the local fp32 accumulator ``dq`` in place and returns
+    ``(dk, dv, kv_part)``: the block's K/V gradients and the slice of the block they belong to
+    (they are added to the travelling accumulator once it has arrived, so its transfer overlaps
+    with this compute).
+    """
+    half = q.shape[1] // 2
+    if step == 0 or not causal:
+        dq_b, dk_b, dv_b = kernel.backward(dout, q, kb, vb, out, lse, causal and step == 0, scale)
+        dq.add_(dq_b)
+        kv_part = slice(None)
+    elif source < rank:
+        dq_b, dk_b, dv_b = kernel.backward(dout, q, kb[:, :half], vb[:, :half], out, lse, False, scale)
+        dq.add_(dq_b)
+        kv_part = slice(None, half)
+    else:
+        dq_b, dk_b, dv_b = kernel.backward(
+            dout[:, half:], q[:, half:], kb, vb, out[:, half:], lse[:, :, half:], False, scale
+        )
+        dq[:, half:].add_(dq_b)
+        kv_part = slice(None)
+    return dk_b, dv_b, kv_part
+
+
 class _ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, kernel: BlockAttention, rank: int, size: int):
-        half = q.shape[1] // 2
-        acc = accumulator_dtype(q.dtype)
         ring = RingExchange(group) if size > 1 else None
-        current = torch.stack([k, v]) if size > 1 else None  # one buffer: K and V travel together
+        current = torch.stack([k, v]) if size > 1 else None  # K and V travel in one buffer
         spare = torch.empty_like(current) if size > 1 else None
         out = lse = None
         for step in range(size):
-            pending = ring.start(current, spare) if step + 1 < size else None
-            if step == 0:
-                blk_out, blk_lse = kernel.forward(q, k, v, causal, scale)
-                out, lse = blk_out.to(acc), blk_lse.to(acc).clone()
-            else:
-                source = (rank - step) % size
-                kb, vb = current[0], current[1]
-                if not causal:
-                    blk_out, blk_lse = kernel.forward(q, kb, vb, False, scale)
-                    merge_attention_(out, lse, blk_out, blk_lse)
-                elif source < rank:
-                    blk_out, blk_lse = kernel.forward(q, kb[:, :half], vb[:, :half], False, scale)
-                    merge_attention_(out, lse, blk_out, blk_lse)
-                else:
-                    blk_out, blk_lse = kernel.forward(q[:, half:], kb, vb, False, scale)
-                    merge_attention_(out[:, half:], lse[:, :, half:], blk_out, blk_lse)
+            pending = ring.start(current, spare) if step + 1 < size else None  # next block in flight
+            kb, vb = (k, v) if step == 0 else (current[0], current[1])
+            out, lse = forward_block(
+                kernel, q, kb, vb, out, lse,
+                step=step, source=(rank - step) % size, rank=rank, causal=causal, scale=scale,
+            )
             if pending is not None:
-                received = pending.wait()
-                current, spare = received, current
+                current, spare = pending.wait(), current
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.group, ctx.kernel, ctx.rank, ctx.size = causal, scale, group, kernel, rank, size
@@ -144,58 +183,34 @@ class _ZigzagRingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, kernel, rank, size = ctx.causal, ctx.scale, ctx.kernel, ctx.rank, ctx.size
-        half = q.shape[1] // 2
-        acc = accumulator_dtype(q.dtype)
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         if size == 1:
             dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, causal, scale)
             return dq_b, dk_b, dv_b, None, None, None, None, None, None
 
+        acc = accumulator_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         ring = RingExchange(ctx.group)
         current = torch.stack([k, v])
         spare = torch.empty_like(current)
-        # dK/dV accumulators travel the ring in fp32 next to (one hop behind) their K/V.
-        grad_send = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        grad_spare = torch.empty_like(grad_send)
+        # dK/dV accumulators ride the ring in fp32, one hop behind their K/V block.
+        grad = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+        grad_spare = torch.empty_like(grad)
         grad_pending = None
         for step in range(size):
             kv_pending = ring.start(current, spare) if step + 1 < size else None
-            kb, vb = current[0], current[1]
-            source = (rank - step) % size
-            if step == 0:
-                dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, causal, scale)
-                dq.add_(dq_b)
-                grad = grad_send
-                grad[0].add_(dk_b)
-                grad[1].add_(dv_b)
-            else:
-                if not causal:
-                    dq_b, dk_b, dv_b = kernel.backward(dout, q, kb, vb, out, lse, False, scale)
-                    dq.add_(dq_b)
-                    kv_slice = slice(None)
-                elif source < rank:
-                    dq_b, dk_b, dv_b = kernel.backward(
-                        dout, q, kb[:, :half], vb[:, :half], out, lse, False, scale
-                    )
-                    dq.add_(dq_b)
-                    kv_slice = slice(None, half)
-                else:
-                    dq_b, dk_b, dv_b = kernel.backward(
-                        dout[:, half:], q[:, half:], kb, vb, out[:, half:], lse[:, :, half:], False, scale
-                    )
-                    dq[:, half:].add_(dq_b)
-                    kv_slice = slice(None)
-                grad = grad_pending.wait()  # accumulator of this K/V block from the previous rank
-                grad_spare = grad_send
-                grad[0][:, kv_slice].add_(dk_b)
-                grad[1][:, kv_slice].add_(dv_b)
+            dk_b, dv_b, kv_part = backward_block(
+                kernel, dout, q, current[0], current[1], out, lse, dq,
+                step=step, source=(rank - step) % size, rank=rank, causal=causal, scale=scale,
+            )
+            if step > 0:
+                grad, grad_spare = grad_pending.wait(), grad  # accumulator of this block so far
+            grad[0][:, kv_part].add_(dk_b)
+            grad[1][:, kv_part].add_(dv_b)
             grad_pending = ring.start(grad, grad_spare)
-            grad_send = grad
             if kv_pending is not None:
-                received = kv_pending.wait()
-                current, spare = received, current
-        home = grad_pending.wait()  # after N hops the accumulated dK/dV of our own block is back
+                current, spare = kv_pending.wait(), current
+        home = grad_pending.wait()  # after N hops the dK/dV of our own block are back
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None, None
 
 
