@@ -128,8 +128,7 @@ def load_demo_tokenizer() -> PreTrainedTokenizerFast:
     """Load the shipped copy from ``ringft/assets/demo_tokenizer/``."""
     if not (DEMO_TOKENIZER_DIR / "tokenizer.json").is_file():
         raise FileNotFoundError(
-            f"{DEMO_TOKENIZER_DIR} has no tokenizer.json; run "
-            "`python -m ringft.demo_tokenizer --rebuild`"
+            f"{DEMO_TOKENIZER_DIR} has no tokenizer.json; run `python -m ringft.demo_tokenizer --rebuild`"
         )
     return PreTrainedTokenizerFast.from_pretrained(str(DEMO_TOKENIZER_DIR))
 

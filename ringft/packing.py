@@ -298,9 +298,14 @@ def _pack_token_batches(
 
 
 def _validate(
-    tokenizer: Any, seq_len: int, add_eos: bool, drop_tail: bool, batch_size: int,
+    tokenizer: Any,
+    seq_len: int,
+    add_eos: bool,
+    drop_tail: bool,
+    batch_size: int,
     num_proc: int | None,
 ) -> int | None:
+    """Check arguments; return the EOS id to append (None when ``add_eos`` is False)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     if batch_size <= 0:

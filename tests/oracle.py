@@ -17,7 +17,8 @@ def full_attention_fp64(q, k, v, causal: bool, scale: float | None = None):
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if causal:
         s = q.shape[1]
-        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
     return out, lse

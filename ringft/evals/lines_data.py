@@ -72,8 +72,7 @@ PREAMBLE = (
 )
 LINE_TEMPLATE = "line {name}: REGISTER_CONTENT is <{number}>\n"
 QUESTION_TEMPLATE = (
-    "\nThe record is finished. What is the <REGISTER_CONTENT> of line {name}? "
-    "Answer with the number."
+    "\nThe record is finished. What is the <REGISTER_CONTENT> of line {name}? Answer with the number."
 )
 #: Matches one record line (without its trailing newline); groups: name, number.
 LINE_RE = re.compile(r"^line ([a-z]+(?:-[a-z]+)+): REGISTER_CONTENT is <([0-9]+)>$")
@@ -311,20 +310,23 @@ def _build_case(
         probe = _RecordStream(probe_rng_seed, num_words)
         probe.ensure(32)
         per_line = _line_token_counts(
-            tokenizer, [render_line(n, v) for n, v in zip(probe.names, probe.numbers)]
+            tokenizer, [render_line(n, v) for n, v in zip(probe.names, probe.numbers, strict=True)]
         )
         tpl = sum(per_line) / len(per_line)
-        overhead = len(
-            encode_prompt(
-                tokenizer,
-                apply_template(
+        overhead = (
+            len(
+                encode_prompt(
                     tokenizer,
-                    build_record_text(probe.names[:1], probe.numbers[:1], 0),
+                    apply_template(
+                        tokenizer,
+                        build_record_text(probe.names[:1], probe.numbers[:1], 0),
+                        chat_template,
+                    ),
                     chat_template,
-                ),
-                chat_template,
+                )
             )
-        ) - per_line[0]
+            - per_line[0]
+        )
         n_est = max(1, int((target_tokens - overhead) / tpl))
         if name_capacity(num_words) >= 2 * (int(n_est * 1.1) + 16):
             break
@@ -406,9 +408,7 @@ def make_line_case(
     Cost: a tokenization of every line (batched) plus a few full-prompt tokenizations.
     """
     use_template = _has_chat_template(tokenizer) if chat_template is None else chat_template
-    stream, n, idx, prompt, num_tokens = _build_case(
-        tokenizer, target_tokens, depth, seed, use_template
-    )
+    stream, n, idx, prompt, num_tokens = _build_case(tokenizer, target_tokens, depth, seed, use_template)
     return LineCase(
         prompt=prompt,
         answer=str(stream.numbers[idx]),
@@ -447,9 +447,7 @@ def make_line_cases(
     cases = []
     for length, depth, i in iterator:
         case_seed = derive_seed("lines-eval", seed, int(length), depth, i)
-        cases.append(
-            make_line_case(tokenizer, int(length), depth, case_seed, i, chat_template)
-        )
+        cases.append(make_line_case(tokenizer, int(length), depth, case_seed, i, chat_template))
     return cases
 
 
@@ -546,7 +544,7 @@ def make_synthetic_example(
         start = len(prompt)
         labels = [
             tok if (e > start and e > s) else -100
-            for tok, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
+            for tok, (s, e) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
         ]
         labels.append(eos)
     return {"input_ids": ids, "labels": labels}
