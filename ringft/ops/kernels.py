@@ -169,16 +169,15 @@ class TorchBackend:
         kt = _expand_kv(k, groups).transpose(1, 2)
         vt = _expand_kv(v, groups).transpose(1, 2)
         lse = lse.float().contiguous()
-        empty = torch.empty(0, device=q.device)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        # None passes an undefined tensor: no varlen offsets, no dropout RNG state, no bias.
         if self._use_cuda_flash(q):
             sq, sk = q.shape[1], k.shape[1]
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, empty, empty, sq, sk, 0.0, causal, seed, seed, scale=scale
+                dot, qt, kt, vt, ot, lse, None, None, sq, sk, 0.0, causal, None, None, scale=scale
             )
         else:
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dot, qt, kt, vt, empty, ot, lse, seed, seed, 0.0, [True, True, True, False], causal,
+                dot, qt, kt, vt, None, ot, lse, None, None, 0.0, [True, True, True, False], causal,
                 scale=scale,
             )
         return (
