@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -27,14 +28,15 @@ def _worker(fn, rank: int, world_size: int, port: int, timeout: float, args, que
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - the traceback is sent to the parent
@@ -44,9 +46,7 @@ def _worker(fn, rank: int, world_size: int, port: int, timeout: float, args, que
             dist.destroy_process_group()
 
 
-def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
-) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
 
     Raises ``TimeoutError`` (after killing every process) when the ranks do not all finish within
@@ -56,7 +56,7 @@ def run_distributed(
     import time
 
     ctx = mp.get_context("spawn")
-    results: "mp.Queue" = ctx.Queue()
+    results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout, args, results), daemon=True)
@@ -86,7 +86,7 @@ def run_distributed(
                         raise RuntimeError(
                             f"rank(s) {dead} of {fn.__name__} died with exit codes "
                             f"{[procs[i].exitcode for i in dead]}"
-                        )
+                        ) from None
     finally:
         for p in procs:
             p.join(timeout=5)

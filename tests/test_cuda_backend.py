@@ -32,8 +32,12 @@ def run_cuda_checks(verbose: bool = False) -> list[str]:
     backends = ["torch"] + (["flash_attn"] if FlashAttnBackend.is_available() else [])
     failures = []
     grid = itertools.product(
-        backends, [torch.bfloat16, torch.float16, torch.float32], [(8, 8), (8, 2), (8, 1)],
-        [64, 80, 128], [1, 2, 4], [True, False],
+        backends,
+        [torch.bfloat16, torch.float16, torch.float32],
+        [(8, 8), (8, 2), (8, 1)],
+        [64, 80, 128],
+        [1, 2, 4],
+        [True, False],
     )
     for backend, dtype, (hq, hkv), dim, world, causal in grid:
         if backend == "flash_attn" and dtype == torch.float32:
@@ -49,11 +53,15 @@ def run_cuda_checks(verbose: bool = False) -> list[str]:
         ref = (ro.detach(), rl.detach(), *torch.autograd.grad(ro, (qd, kd, vd), dout.double()))
         got = emulate_zigzag_attention(q, k, v, world, causal=causal, backend=backend, dout=dout)
         base = emulate_zigzag_attention(q, k, v, 1, causal=causal, backend=backend, dout=dout)
-        for name, g, b, r in zip(("out", "lse", "dq", "dk", "dv"), (got[0], got[1], *got[2]),
-                                 (base[0], base[1], *base[2]), ref):
+        for name, g, b, r in zip(
+            ("out", "lse", "dq", "dk", "dv"), (got[0], got[1], *got[2]), (base[0], base[1], *base[2]), ref
+        ):
             err = _rel(g, r)
             limit = 2e-5 if dtype == torch.float32 else 2 * _rel(b, r) + 4e-3
-            line = f"{backend} {dtype} heads={hq}/{hkv} dim={dim} N={world} causal={causal} {name}: {err:.2e} (limit {limit:.2e})"
+            line = (
+                f"{backend} {dtype} heads={hq}/{hkv} dim={dim} N={world} causal={causal} "
+                f"{name}: {err:.2e} (limit {limit:.2e})"
+            )
             if verbose:
                 print(line)
             if err > limit:

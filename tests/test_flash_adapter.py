@@ -31,8 +31,19 @@ def _reference(q, k, v, causal, scale):
 def make_stub(new_signature: bool):
     calls = []
 
-    def fwd_new(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                softcap, alibi_slopes, return_softmax):
+    def fwd_new(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+    ):
         _check_layout(q, k, v)
         assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
         out, lse = _reference(q, k, v, causal, softmax_scale)
@@ -44,21 +55,75 @@ def make_stub(new_signature: bool):
         out, lse, _, _ = fwd_new(q, k, v, dropout_p, softmax_scale, causal, -1, -1, 0.0, None, False)
         return out, q, k, v, out, lse, None, None
 
-    def bwd_new(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                rng_state=None):
+    def bwd_new(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
         _check_layout(dout, q, k, v, out, dq, dk, dv)
-        assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == q.shape[:1] + (q.shape[2], q.shape[1])
+        assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == q.shape[:1] + (
+            q.shape[2],
+            q.shape[1],
+        )
         qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
         o, _ = _reference(qd, kd, vd, causal, softmax_scale)
         gq, gk, gv = torch.autograd.grad(o, (qd, kd, vd), dout.double())
         dq.copy_(gq), dk.copy_(gk), dv.copy_(gv)
         calls.append(("bwd", q.shape, k.shape))
 
-    def bwd_old(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                window_size, alibi_slopes, deterministic, rng_state=None):
-        bwd_new(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                -1, -1, 0.0, alibi_slopes, deterministic, rng_state)
+    def bwd_old(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
+        bwd_new(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            dq,
+            dk,
+            dv,
+            dropout_p,
+            softmax_scale,
+            causal,
+            -1,
+            -1,
+            0.0,
+            alibi_slopes,
+            deterministic,
+            rng_state,
+        )
 
     module = types.SimpleNamespace(
         _flash_attn_forward=fwd_new if new_signature else fwd_old,
@@ -78,7 +143,7 @@ def test_flash_adapter_contract(new_signature, head_dim, causal):
     q = torch.randn(2, 12, 4, head_dim, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 12, 2, head_dim, generator=gen, dtype=torch.float64)
     v = torch.randn(2, 12, 2, head_dim, generator=gen, dtype=torch.float64)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out, lse = backend.forward(q, k, v, causal, scale)
     ref_out, ref_lse = full_attention_fp64(q, k, v, causal)
     assert out.shape == q.shape and lse.shape == (2, 4, 12) and lse.dtype == torch.float32

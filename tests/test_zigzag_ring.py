@@ -58,9 +58,7 @@ def ring_vs_oracle_worker(rank: int, world: int, backend: str) -> list[dict]:
         ref = _oracle_with_grads(q, k, v, dout, causal)
         shard = lambda t: zigzag_shard(t, rank, world).detach().clone()  # noqa: E731
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-        out, lse = zigzag_ring_attention(
-            ql, kl, vl, causal=causal, backend=backend, return_lse=True
-        )
+        out, lse = zigzag_ring_attention(ql, kl, vl, causal=causal, backend=backend, return_lse=True)
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert out.shape == ql.shape and lse.shape == (batch, hq, seq // world)
         out.backward(shard(dout))
@@ -80,13 +78,13 @@ def ring_vs_oracle_worker(rank: int, world: int, backend: str) -> list[dict]:
             )
             of.backward(dout)
             baseline = {
-                "out": _rel_err(of, ref[0]), "lse": _rel_err(lf, ref[1]),
-                "dq": _rel_err(qf.grad, ref[2]), "dk": _rel_err(kf.grad, ref[3]),
+                "out": _rel_err(of, ref[0]),
+                "lse": _rel_err(lf, ref[1]),
+                "dq": _rel_err(qf.grad, ref[2]),
+                "dk": _rel_err(kf.grad, ref[3]),
                 "dv": _rel_err(vf.grad, ref[4]),
             }
-        records.append(
-            {"config": (hq, hkv, dim, causal, str(dtype)), "errors": errs, "baseline": baseline}
-        )
+        records.append({"config": (hq, hkv, dim, causal, str(dtype)), "errors": errs, "baseline": baseline})
     return records
 
 

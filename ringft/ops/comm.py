@@ -35,10 +35,18 @@ class RingExchange:
         self.group = group
         self.rank, self.size = group_rank_and_size(group)
         if self.size > 1:
-            self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
-            self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
+            self.next_peer = (
+                dist.get_global_rank(group, (self.rank + 1) % self.size)
+                if group
+                else (self.rank + 1) % self.size
+            )
+            self.prev_peer = (
+                dist.get_global_rank(group, (self.rank - 1) % self.size)
+                if group
+                else (self.rank - 1) % self.size
+            )
 
-    def start(self, tensor: Tensor, recv_buffer: Tensor | None = None) -> "_Pending":
+    def start(self, tensor: Tensor, recv_buffer: Tensor | None = None) -> _Pending:
         """Send ``tensor`` to the next rank and receive a same-shaped tensor from the previous one."""
         send = tensor.contiguous()
         recv = torch.empty_like(send) if recv_buffer is None else recv_buffer

@@ -7,18 +7,104 @@ decomposing one attention call into the ring's blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ringft.ops.kernels import accumulator_dtype, default_scale, get_backend
+from ringft.ops.kernels import BlockAttention, accumulator_dtype, default_scale, get_backend
 from ringft.ops.zigzag import backward_block, forward_block
 from ringft.sharding import zigzag_shard, zigzag_unshard
 
 Tensor = torch.Tensor
 
 
+def run_schedule(
+    kernel: BlockAttention,
+    qs: list[Tensor],
+    ks: list[Tensor],
+    vs: list[Tensor],
+    douts: list[Tensor] | None,
+    *,
+    causal: bool,
+    scale: float,
+    ranks: list[int] | None = None,
+    timer: Callable[[int, Callable[[], None]], None] | None = None,
+):
+    """The ring schedule of every rank on per-rank shards ``(batch, seq_local, heads, dim)``.
+
+    Returns per-rank ``outs``, ``lses`` and (when ``douts``) ``dqs`` and ``dkvs`` (dK/dV of each
+    rank's own block, summed over all ranks). ``timer(rank, fn)`` may wrap each rank's forward and
+    backward work (used by the benchmarks to time ranks one by one).
+    """
+    n = len(qs)
+    ranks = list(range(n)) if ranks is None else ranks
+    timer = timer or (lambda rank, fn: fn())
+    outs: dict[int, Tensor] = {}
+    lses: dict[int, Tensor] = {}
+
+    def forward(rank: int) -> None:
+        out = lse = None
+        for step in range(n):
+            src = (rank - step) % n
+            out, lse = forward_block(
+                kernel,
+                qs[rank],
+                ks[src],
+                vs[src],
+                out,
+                lse,
+                step=step,
+                source=src,
+                rank=rank,
+                causal=causal,
+                scale=scale,
+            )
+        outs[rank], lses[rank] = out.to(qs[rank].dtype), lse
+
+    for rank in ranks:
+        timer(rank, lambda rank=rank: forward(rank))
+    if douts is None:
+        return outs, lses, None, None
+    acc = accumulator_dtype(qs[0].dtype)
+    dqs = {r: torch.zeros(qs[r].shape, dtype=acc, device=qs[r].device) for r in ranks}
+    dkvs = [torch.zeros((2, *t.shape), dtype=acc, device=t.device) for t in ks]
+
+    def backward(rank: int) -> None:
+        for step in range(n):
+            src = (rank - step) % n
+            dk_b, dv_b, part = backward_block(
+                kernel,
+                douts[rank],
+                qs[rank],
+                ks[src],
+                vs[src],
+                outs[rank],
+                lses[rank],
+                dqs[rank],
+                step=step,
+                source=src,
+                rank=rank,
+                causal=causal,
+                scale=scale,
+            )
+            dkvs[src][0][:, part].add_(dk_b)
+            dkvs[src][1][:, part].add_(dv_b)
+
+    for rank in ranks:
+        timer(rank, lambda rank=rank: backward(rank))
+    return outs, lses, dqs, dkvs
+
+
 def emulate_zigzag_attention(
-    q: Tensor, k: Tensor, v: Tensor, world_size: int, *, causal: bool = True,
-    softmax_scale: float | None = None, backend: str = "auto", dout: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    world_size: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    dout: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """Emulate ``world_size`` ranks on the *global* ``q``/``k``/``v`` ``(batch, seq, heads, dim)``.
 
@@ -28,35 +114,15 @@ def emulate_zigzag_attention(
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     n = world_size
     qs, ks, vs = ([zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v))
-    outs, lses = [], []
-    for rank in range(n):
-        out = lse = None
-        for step in range(n):
-            src = (rank - step) % n
-            out, lse = forward_block(
-                kernel, qs[rank], ks[src], vs[src], out, lse,
-                step=step, source=src, rank=rank, causal=causal, scale=scale,
-            )
-        outs.append(out.to(q.dtype))
-        lses.append(lse)
+    douts = None if dout is None else [zigzag_shard(dout, r, n) for r in range(n)]
+    outs, lses, dqs, dkvs = run_schedule(kernel, qs, ks, vs, douts, causal=causal, scale=scale)
+    out = zigzag_unshard([outs[r] for r in range(n)])
+    lse = zigzag_unshard([lses[r] for r in range(n)], dim=2)
     grads = None
     if dout is not None:
-        acc = accumulator_dtype(q.dtype)
-        douts = [zigzag_shard(dout, r, n) for r in range(n)]
-        dqs = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in qs]
-        dkvs = [torch.zeros((2, *t.shape), dtype=acc, device=t.device) for t in ks]
-        for rank in range(n):
-            for step in range(n):
-                src = (rank - step) % n
-                dk_b, dv_b, part = backward_block(
-                    kernel, douts[rank], qs[rank], ks[src], vs[src], outs[rank], lses[rank], dqs[rank],
-                    step=step, source=src, rank=rank, causal=causal, scale=scale,
-                )
-                dkvs[src][0][:, part].add_(dk_b)
-                dkvs[src][1][:, part].add_(dv_b)
         grads = (
-            zigzag_unshard(dqs).to(q.dtype),
+            zigzag_unshard([dqs[r] for r in range(n)]).to(q.dtype),
             zigzag_unshard([g[0] for g in dkvs]).to(k.dtype),
             zigzag_unshard([g[1] for g in dkvs]).to(v.dtype),
         )
-    return zigzag_unshard(outs), zigzag_unshard(lses, dim=2), grads
+    return out, lse, grads

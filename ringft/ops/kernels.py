@@ -39,14 +39,21 @@ class BlockAttention(Protocol):
     def check(self, q: Tensor) -> str | None:
         """Return why this backend cannot run on ``q`` (and how to fix it), or None."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        ...
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]: ...
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        causal: bool, scale: float,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        ...
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 def _expand_kv(x: Tensor, groups: int) -> Tensor:
@@ -92,8 +99,15 @@ class ReferenceBackend:
         return out.to(q.dtype), lse
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        causal: bool, scale: float,
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         acc = accumulator_dtype(q.dtype)
         groups = q.shape[2] // k.shape[2]
@@ -146,21 +160,38 @@ class TorchBackend:
         kt = _expand_kv(k, groups).transpose(1, 2)
         vt = _expand_kv(v, groups).transpose(1, 2)
         if self._use_cuda_flash(q):
-            res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                qt, kt, vt, 0.0, causal, False, scale=scale
+            )
             out, lse = res[0], res[1]
         else:
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(
+                qt, kt, vt, None, True, 0.0, causal, scale=scale
+            )
             out, lse = res[0], res[1][..., : q.shape[1]]  # the efficient kernel pads lse's seq dim
         return out.transpose(1, 2), lse.float()
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        causal: bool, scale: float,
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                out.transpose(1, 2), lse.to(accumulator_dtype(q.dtype)).contiguous(), 0.0, causal,
+                dout.transpose(1, 2),
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                out.transpose(1, 2),
+                lse.to(accumulator_dtype(q.dtype)).contiguous(),
+                0.0,
+                causal,
                 scale=scale,
             )
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -177,7 +208,18 @@ class TorchBackend:
             )
         else:
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dot, qt, kt, vt, None, ot, lse, None, None, 0.0, [True, True, True, False], causal,
+                dot,
+                qt,
+                kt,
+                vt,
+                None,
+                ot,
+                lse,
+                None,
+                None,
+                0.0,
+                [True, True, True, False],
+                causal,
                 scale=scale,
             )
         return (
@@ -224,7 +266,10 @@ class FlashAttnBackend:
                 "use backend='torch' (or 'auto') on CPU"
             )
         if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"backend 'flash_attn' needs fp16/bf16 inputs, got {q.dtype}: cast the model or use backend='torch'"
+            return (
+                f"backend 'flash_attn' needs fp16/bf16 inputs, got {q.dtype}: "
+                "cast the model or use backend='torch'"
+            )
         return None
 
     def _window_kwargs(self, fn) -> dict:
@@ -246,8 +291,14 @@ class FlashAttnBackend:
         fn = self.module._flash_attn_forward
         d = q.shape[-1]
         res = fn(
-            self._pad(q).contiguous(), self._pad(k).contiguous(), self._pad(v).contiguous(),
-            dropout_p=0.0, softmax_scale=scale, causal=causal, alibi_slopes=None, return_softmax=False,
+            self._pad(q).contiguous(),
+            self._pad(k).contiguous(),
+            self._pad(v).contiguous(),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            alibi_slopes=None,
+            return_softmax=False,
             **self._window_kwargs(fn),
         )
         # >= 2.6: (out, lse, S_dmask, rng_state); <= 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng)
@@ -255,18 +306,37 @@ class FlashAttnBackend:
         return out[..., :d], lse.float()
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        causal: bool, scale: float,
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         fn = self.module._flash_attn_backward
         d = q.shape[-1]
         qp, kp, vp = self._pad(q).contiguous(), self._pad(k).contiguous(), self._pad(v).contiguous()
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         fn(
-            self._pad(dout).contiguous(), qp, kp, vp, self._pad(out).contiguous(),
-            lse.float().contiguous(), dq, dk, dv,
-            dropout_p=0.0, softmax_scale=scale, causal=causal, alibi_slopes=None,
-            deterministic=False, rng_state=None, **self._window_kwargs(fn),
+            self._pad(dout).contiguous(),
+            qp,
+            kp,
+            vp,
+            self._pad(out).contiguous(),
+            lse.float().contiguous(),
+            dq,
+            dk,
+            dv,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+            **self._window_kwargs(fn),
         )
         return dq[..., :d], dk[..., :d], dv[..., :d]
 

@@ -96,7 +96,10 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, backend: str, group, rank: 
     if others:
         messages.append(f"bad inputs on CP rank(s) {others} (see their error)")
     if not bad and len({tuple(row[1:]) for row in rows}) > 1:
-        desc = ", ".join(f"rank {i}: (batch, seq_local, heads, dim, kv_heads, dtype)={tuple(row[1:])}" for i, row in enumerate(rows))
+        desc = ", ".join(
+            f"rank {i}: (batch, seq_local, heads, dim, kv_heads, dtype)={tuple(row[1:])}"
+            for i, row in enumerate(rows)
+        )
         messages.append(
             "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim and dtype; "
             f"got {desc}. Shard every sequence with zigzag_shard / RingDataCollator"
@@ -106,8 +109,18 @@ def validate_inputs(q: Tensor, k: Tensor, v: Tensor, backend: str, group, rank: 
 
 
 def forward_block(
-    kernel: BlockAttention, q: Tensor, kb: Tensor, vb: Tensor, out: Tensor | None, lse: Tensor | None,
-    *, step: int, source: int, rank: int, causal: bool, scale: float,
+    kernel: BlockAttention,
+    q: Tensor,
+    kb: Tensor,
+    vb: Tensor,
+    out: Tensor | None,
+    lse: Tensor | None,
+    *,
+    step: int,
+    source: int,
+    rank: int,
+    causal: bool,
+    scale: float,
 ) -> tuple[Tensor, Tensor]:
     """One ring step of the forward: attend the local ``q`` to the K/V block of rank ``source``.
 
@@ -129,8 +142,20 @@ def forward_block(
 
 
 def backward_block(
-    kernel: BlockAttention, dout: Tensor, q: Tensor, kb: Tensor, vb: Tensor, out: Tensor, lse: Tensor,
-    dq: Tensor, *, step: int, source: int, rank: int, causal: bool, scale: float,
+    kernel: BlockAttention,
+    dout: Tensor,
+    q: Tensor,
+    kb: Tensor,
+    vb: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dq: Tensor,
+    *,
+    step: int,
+    source: int,
+    rank: int,
+    causal: bool,
+    scale: float,
 ) -> tuple[Tensor, Tensor, slice]:
     """One ring step of the backward against the K/V block of rank ``source``.
 
@@ -168,14 +193,30 @@ class _ZigzagRingAttention(torch.autograd.Function):
             pending = ring.start(current, spare) if step + 1 < size else None  # next block in flight
             kb, vb = (k, v) if step == 0 else (current[0], current[1])
             out, lse = forward_block(
-                kernel, q, kb, vb, out, lse,
-                step=step, source=(rank - step) % size, rank=rank, causal=causal, scale=scale,
+                kernel,
+                q,
+                kb,
+                vb,
+                out,
+                lse,
+                step=step,
+                source=(rank - step) % size,
+                rank=rank,
+                causal=causal,
+                scale=scale,
             )
             if pending is not None:
                 current, spare = pending.wait(), current
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group, ctx.kernel, ctx.rank, ctx.size = causal, scale, group, kernel, rank, size
+        ctx.causal, ctx.scale, ctx.group, ctx.kernel, ctx.rank, ctx.size = (
+            causal,
+            scale,
+            group,
+            kernel,
+            rank,
+            size,
+        )
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -200,8 +241,19 @@ class _ZigzagRingAttention(torch.autograd.Function):
         for step in range(size):
             kv_pending = ring.start(current, spare) if step + 1 < size else None
             dk_b, dv_b, kv_part = backward_block(
-                kernel, dout, q, current[0], current[1], out, lse, dq,
-                step=step, source=(rank - step) % size, rank=rank, causal=causal, scale=scale,
+                kernel,
+                dout,
+                q,
+                current[0],
+                current[1],
+                out,
+                lse,
+                dq,
+                step=step,
+                source=(rank - step) % size,
+                rank=rank,
+                causal=causal,
+                scale=scale,
             )
             if step > 0:
                 grad, grad_spare = grad_pending.wait(), grad  # accumulator of this block so far
