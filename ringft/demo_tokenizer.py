@@ -127,9 +127,8 @@ def save_demo_tokenizer(path: str | Path = DEMO_TOKENIZER_DIR) -> Path:
 def load_demo_tokenizer() -> PreTrainedTokenizerFast:
     """Load the shipped copy from ``ringft/assets/demo_tokenizer/``."""
     if not (DEMO_TOKENIZER_DIR / "tokenizer.json").is_file():
-        raise FileNotFoundError(
-            f"{DEMO_TOKENIZER_DIR} has no tokenizer.json; run `python -m ringft.demo_tokenizer --rebuild`"
-        )
+        hint = "python -m ringft.demo_tokenizer --rebuild"
+        raise FileNotFoundError(f"{DEMO_TOKENIZER_DIR} has no tokenizer.json; run `{hint}`")
     return PreTrainedTokenizerFast.from_pretrained(str(DEMO_TOKENIZER_DIR))
 
 

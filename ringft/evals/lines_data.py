@@ -33,30 +33,30 @@ from typing import Any, Literal
 
 __all__ = [
     "ADJECTIVES",
+    "LINE_RE",
+    "LINE_TEMPLATE",
+    "MAX_NUMBER",
+    "MIN_NUMBER",
     "NOUNS",
     "PREAMBLE",
     "QUESTION_TEMPLATE",
-    "LINE_TEMPLATE",
-    "LINE_RE",
-    "MIN_NUMBER",
-    "MAX_NUMBER",
     "LineCase",
-    "unique_names",
-    "name_capacity",
-    "render_line",
-    "build_record_text",
     "apply_template",
-    "encode_prompt",
-    "target_index_for_depth",
+    "build_record_text",
     "derive_seed",
+    "encode_prompt",
+    "extract_first_integer",
+    "load_cases_jsonl",
     "make_line_case",
     "make_line_cases",
-    "save_cases_jsonl",
-    "load_cases_jsonl",
-    "extract_first_integer",
-    "score_answer",
-    "make_synthetic_example",
     "make_synthetic_dataset",
+    "make_synthetic_example",
+    "name_capacity",
+    "render_line",
+    "save_cases_jsonl",
+    "score_answer",
+    "target_index_for_depth",
+    "unique_names",
 ]
 
 # ---------------------------------------------------------------------------------------
@@ -71,9 +71,8 @@ PREAMBLE = (
     "index. The record begins now:\n\n"
 )
 LINE_TEMPLATE = "line {name}: REGISTER_CONTENT is <{number}>\n"
-QUESTION_TEMPLATE = (
-    "\nThe record is finished. What is the <REGISTER_CONTENT> of line {name}? Answer with the number."
-)
+_QUESTION_ASK = "What is the <REGISTER_CONTENT> of line {name}? Answer with the number."
+QUESTION_TEMPLATE = "\nThe record is finished. " + _QUESTION_ASK
 #: Matches one record line (without its trailing newline); groups: name, number.
 LINE_RE = re.compile(r"^line ([a-z]+(?:-[a-z]+)+): REGISTER_CONTENT is <([0-9]+)>$")
 
@@ -232,7 +231,7 @@ def target_index_for_depth(depth: float, num_lines: int) -> int:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     if num_lines < 1:
         raise ValueError("num_lines must be >= 1")
-    return min(num_lines - 1, int(math.floor(depth * (num_lines - 1) + 0.5)))
+    return min(num_lines - 1, math.floor(depth * (num_lines - 1) + 0.5))
 
 
 def derive_seed(*parts: object) -> int:
@@ -291,6 +290,9 @@ def _line_token_counts(tokenizer: Any, lines: Sequence[str]) -> list[int]:
     return [len(ids) for ids in enc["input_ids"]]
 
 
+_PROBE_LINES = 32
+
+
 def _build_case(
     tokenizer: Any,
     target_tokens: int,
@@ -303,44 +305,38 @@ def _build_case(
         raise ValueError("target_tokens must be positive")
     target_index_for_depth(depth, 1)  # validates depth
 
-    # 1) Cheap estimate of tokens per line and fixed overhead, choosing the name width.
+    def count(text: str) -> int:
+        prompt = apply_template(tokenizer, text, chat_template)
+        return len(encode_prompt(tokenizer, prompt, chat_template))
+
+    # 1) Cheap probe: in-context tokens per line, fixed overhead, and the ratio between
+    #    in-context and standalone line counts (1.0 for tokenizers that are additive on line
+    #    boundaries). Also choose the name width so that names stay unique.
     probe_rng_seed = derive_seed("probe", seed)
     num_words = 2
     while True:
         probe = _RecordStream(probe_rng_seed, num_words)
-        probe.ensure(32)
-        per_line = _line_token_counts(
-            tokenizer, [render_line(n, v) for n, v in zip(probe.names, probe.numbers, strict=True)]
-        )
-        tpl = sum(per_line) / len(per_line)
-        overhead = (
-            len(
-                encode_prompt(
-                    tokenizer,
-                    apply_template(
-                        tokenizer,
-                        build_record_text(probe.names[:1], probe.numbers[:1], 0),
-                        chat_template,
-                    ),
-                    chat_template,
-                )
-            )
-            - per_line[0]
-        )
-        n_est = max(1, int((target_tokens - overhead) / tpl))
+        probe.ensure(_PROBE_LINES)
+        pairs = zip(probe.names, probe.numbers, strict=True)
+        per_line = _line_token_counts(tokenizer, [render_line(n, v) for n, v in pairs])
+        one = count(build_record_text(probe.names[:1], probe.numbers[:1], 0))
+        many = count(build_record_text(probe.names, probe.numbers, 0))
+        tpl = max(1e-3, (many - one) / (_PROBE_LINES - 1))
+        ratio0 = tpl * (_PROBE_LINES - 1) / max(1, sum(per_line[1:]))
+        n_est = max(1, int((target_tokens - (one - tpl)) / tpl))
         if name_capacity(num_words) >= 2 * (int(n_est * 1.1) + 16):
             break
         num_words += 1
 
     stream = _RecordStream(seed, num_words)
-    prefix = [0]  # prefix[i] = summed per-line token counts of the first i lines
+    prefix = [0]  # prefix[i] = summed standalone token counts of the first i lines
 
-    def extend(count: int) -> None:
+    def extend(n_lines: int) -> None:
         have = len(stream)
-        if count <= have:
+        if n_lines <= have:
             return
-        stream.ensure(count)
-        lines = [render_line(stream.names[i], stream.numbers[i]) for i in range(have, count)]
+        stream.ensure(n_lines)
+        lines = [render_line(stream.names[i], stream.numbers[i]) for i in range(have, n_lines)]
         for c in _line_token_counts(tokenizer, lines):
             prefix.append(prefix[-1] + c)
 
@@ -348,47 +344,68 @@ def _build_case(
 
     def measure(n: int) -> int:
         if n not in cache:
-            extend(n)
+            extend(n + 1)
             idx = target_index_for_depth(depth, n)
             text = build_record_text(stream.names[:n], stream.numbers[:n], idx)
             prompt = apply_template(tokenizer, text, chat_template)
             cache[n] = (len(encode_prompt(tokenizer, prompt, chat_template)), prompt)
         return cache[n][0]
 
-    def best_by_estimate(delta: int) -> int:
-        # Largest m with prefix[m] + delta <= target_tokens, extending lines as needed.
-        while prefix[-1] + delta <= target_tokens:
+    def estimate(n: int, ratio: float) -> int:
+        # Largest m with measure(n) + ratio * (prefix[m] - prefix[n]) <= target (m >= 1).
+        base = measure(n) - ratio * prefix[n]
+        while base + ratio * prefix[-1] <= target_tokens:
             extend(max(len(stream) + 64, int(len(stream) * 1.25)))
-        lo, hi = 0, len(prefix) - 1  # prefix[lo] + delta <= target (or lo == 0)
+        lo, hi = 0, len(prefix) - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if prefix[mid] + delta <= target_tokens:
+            if base + ratio * prefix[mid] <= target_tokens:
                 lo = mid
             else:
                 hi = mid - 1
         return max(1, lo)
 
-    # 2) Newton-like refinement with a handful of full tokenizations.
+    # 2) Safeguarded secant search on full tokenizations for the largest n with
+    #    measure(n) <= target < measure(n + 1). Each step extrapolates from the last
+    #    measurement with the standalone per-line counts scaled by the measured slope, and
+    #    never leaves the current bracket (bisection every third bracketed step).
     extend(int(n_est * 1.1) + 16)
-    n = max(1, n_est)
-    for _ in range(8):
-        extend(n + 1)
-        delta = measure(n) - prefix[n]
-        m = best_by_estimate(delta)
-        if m == n:
+    n, prev, ratio, bracketed = n_est, None, ratio0, 0
+    found = None
+    for _ in range(64):
+        c = measure(n)
+        if prev is not None and prefix[n] != prefix[prev]:
+            slope = (c - measure(prev)) / (prefix[n] - prefix[prev])
+            ratio = min(max(slope, 0.1 * ratio0), 10.0 * ratio0)
+        below = [m for m, (cm, _) in cache.items() if cm <= target_tokens]
+        lo = max(below) if below else None
+        above = [m for m, (cm, _) in cache.items() if cm > target_tokens and m > (lo or 0)]
+        hi = min(above) if above else None
+        if lo is None and hi == 1:
+            msg = f"a single-line prompt already has {c} tokens"
+            raise ValueError(f"target_tokens={target_tokens} is too small: {msg}")
+        if lo is not None and hi == lo + 1:
+            found = lo
             break
-        n = m
-
-    # 3) Exact finish: count(n) <= target < count(n + 1).
-    while measure(n) > target_tokens:
-        if n == 1:
-            raise ValueError(
-                f"target_tokens={target_tokens} is too small: a single-line prompt already "
-                f"has {measure(1)} tokens"
-            )
-        n -= 1
-    while measure(n + 1) <= target_tokens:
-        n += 1
+        guess = estimate(n, ratio)
+        if lo is not None and hi is not None:
+            bracketed += 1
+            if not lo < guess < hi or bracketed % 3 == 0:
+                guess = (lo + hi) // 2
+        elif lo is not None:
+            guess = max(guess, lo + 1)
+        else:
+            guess = max(1, min(guess, hi - 1))
+        prev, n = n, guess
+    if found is None:  # pragma: no cover - defensive linear finish
+        found = max(1, n)
+        while found > 1 and measure(found) > target_tokens:
+            found -= 1
+        while measure(found + 1) <= target_tokens:
+            found += 1
+        if measure(found) > target_tokens:
+            raise ValueError(f"target_tokens={target_tokens} is too small")
+    n = found
     num_tokens, prompt = cache[n]
     return stream, n, target_index_for_depth(depth, n), prompt, num_tokens
 
@@ -408,7 +425,8 @@ def make_line_case(
     Cost: a tokenization of every line (batched) plus a few full-prompt tokenizations.
     """
     use_template = _has_chat_template(tokenizer) if chat_template is None else chat_template
-    stream, n, idx, prompt, num_tokens = _build_case(tokenizer, target_tokens, depth, seed, use_template)
+    built = _build_case(tokenizer, target_tokens, depth, seed, use_template)
+    stream, n, idx, prompt, num_tokens = built
     return LineCase(
         prompt=prompt,
         answer=str(stream.numbers[idx]),

@@ -1,0 +1,1 @@
+"""Evaluation helpers (line-retrieval test generation and scoring)."""
