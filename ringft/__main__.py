@@ -1,0 +1,5 @@
+import sys
+
+from ringft.cli import main
+
+sys.exit(main())
