@@ -39,6 +39,12 @@ class RingSpec:
     size: int
     previous_implementation: str | None
     hook: Any = None
+    rank: int = 0
+    # Inference (ringft.inference): "ring" = train/forward; "prefill" = ring + keep the local K/V
+    # of the positions in ``keep_local``; "decode" = new tokens against the sharded KV cache.
+    mode: str = "ring"
+    keep_local: torch.Tensor | None = None
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _transformers_version() -> tuple[int, int]:
@@ -80,6 +86,8 @@ def ring_attention_forward(
             f"attention dropout ({dropout}) is not supported by ring attention: set "
             "config.attention_dropout = 0.0"
         )
+    if spec.mode == "decode":
+        return _decode_attention(module, spec, query, key, value, scaling), None
     global_len = query.shape[2] * spec.size
     if sliding_window is not None and global_len > sliding_window:
         raise ValueError(
@@ -97,7 +105,31 @@ def ring_attention_forward(
         group=spec.group,
         backend=spec.backend,
     )
+    if spec.mode == "prefill":
+        keep = spec.keep_local
+        spec.cache[module.layer_idx] = (
+            key.transpose(1, 2)[:, keep].contiguous(),
+            value.transpose(1, 2)[:, keep].contiguous(),
+        )
     return out.contiguous(), None
+
+
+def _decode_attention(module, spec: RingSpec, query, key, value, scaling) -> torch.Tensor:
+    """One new token per sequence: rank 0 appends its K/V to its cache part, all ranks attend."""
+    from ringft.ops.decode import sharded_cache_attention
+
+    if query.shape[2] != 1:
+        raise ValueError("decode mode takes one new token at a time")
+    k_cache, v_cache = spec.cache[module.layer_idx]
+    if spec.rank == 0:  # the generated tokens live on CP rank 0 (counted once)
+        k_cache = torch.cat([k_cache, key.transpose(1, 2)], dim=1)
+        v_cache = torch.cat([v_cache, value.transpose(1, 2)], dim=1)
+        spec.cache[module.layer_idx] = (k_cache, v_cache)
+    out = sharded_cache_attention(
+        query.transpose(1, 2), k_cache, v_cache, softmax_scale=scaling, group=spec.group,
+        backend=spec.backend,
+    )
+    return out.contiguous()
 
 
 def _register() -> None:
@@ -136,7 +168,7 @@ def _input_check_hook(spec: RingSpec):
             )
         if kwargs.get("attention_mask") is not None:
             kwargs["attention_mask"] = None  # an all-ones 2-D mask means "no padding"
-        if spec.size > 1 and kwargs.get("position_ids") is None:
+        if (spec.size > 1 or spec.mode == "decode") and kwargs.get("position_ids") is None:
             raise ValueError(
                 "ring attention over a CP group needs the global position ids of the local tokens "
                 "(RoPE): pass position_ids from RingDataCollator or zigzag_position_ids(...)"
@@ -185,12 +217,14 @@ def apply_ring_attention(
             "one-process run"
         )
     _register()
-    _, size = group_rank_and_size(cp_group)
+    rank, size = group_rank_and_size(cp_group)
     old: RingSpec | None = getattr(pretrained, "_ringft_ring", None)
     if old is not None:
         old.hook.remove()
     previous = old.previous_implementation if old else config._attn_implementation
-    spec = RingSpec(group=cp_group, backend=backend, size=size, previous_implementation=previous)
+    spec = RingSpec(
+        group=cp_group, backend=backend, size=size, previous_implementation=previous, rank=rank
+    )
     spec.hook = _base_transformer(model).register_forward_pre_hook(_input_check_hook(spec), with_kwargs=True)
     pretrained._ringft_ring = spec
     for module in attn_modules:
