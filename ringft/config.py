@@ -138,7 +138,13 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
 
 
 def _parse_scalar(text: str) -> Any:
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, str):  # YAML 1.1 reads "2e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
