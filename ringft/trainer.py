@@ -52,24 +52,27 @@ class CausalLMLoss(nn.Module):
         return inner.model
 
     def forward(self, input_ids, position_ids, shift_labels, num_items_in_batch, **_: Any) -> torch.Tensor:
-        ctx = (
+        # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
+        # (wrapping the loss too would copy the lm_head weight to CPU every step).
+        offload = (
             torch.autograd.graph.save_on_cpu(pin_memory=input_ids.is_cuda)
             if self.offload_activations
-            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            else contextlib.nullcontext()
         )
-        with ctx:
-            if self.chunked:
+        if self.chunked:
+            with offload:
                 hidden = self._decoder()(
                     input_ids=input_ids, position_ids=position_ids, use_cache=False
                 ).last_hidden_state
-                return lm_loss_from_hidden(
-                    self.model, hidden, shift_labels, num_items_in_batch, chunk_size=self.chunk_size
-                )
+            return lm_loss_from_hidden(
+                self.model, hidden, shift_labels, num_items_in_batch, chunk_size=self.chunk_size
+            )
+        with offload:
             out = self.model(
                 input_ids=input_ids, position_ids=position_ids, labels=shift_labels,
                 shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, use_cache=False,
             )
-            return out.loss
+        return out.loss
 
 
 def build_tokenizer(recipe: Recipe):

@@ -1,0 +1,339 @@
+"""ringft.loss: the chunked lm_head + cross-entropy against the plain (full-logits) computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ringft.loss import chunked_lm_loss, lm_loss_from_hidden
+
+IGNORE = -100
+
+
+def _plain_loss(hidden, weight, labels, n, bias=None):
+    """The oracle: full logits in the hidden dtype, upcast (fp64 stays fp64), one cross_entropy."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    loss = F.cross_entropy(
+        logits.view(-1, weight.shape[0]), labels.view(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return loss / n
+
+
+def _inputs(batch=2, seq=50, hidden=24, vocab=97, dtype=torch.float32, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, seq, hidden, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    w = (
+        (torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) / hidden**0.5)
+        .to(dtype)
+        .requires_grad_()
+    )
+    b = torch.randn(vocab, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels[0, : seq // 3] = IGNORE  # a prompt-like masked prefix
+    labels[:, -1] = IGNORE  # the last position has no target
+    return h, w, b, labels
+
+
+def _grads(loss, tensors):
+    grads = torch.autograd.grad(loss, [t for t in tensors if t is not None and t.requires_grad])
+    return list(grads)
+
+
+def _assert_close(actual, expected, rel):
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = (actual.to(expected.dtype) - expected).abs().max()
+    assert err <= rel * scale, f"max abs err {err.item():.3g} > {rel} * {scale.item():.3g}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype,rel", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 25, 4096])  # divides / does not divide the tokens
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_plain_loss_and_grads(dtype, rel, chunk_size, bias):
+    h, w, b, labels = _inputs(dtype=dtype, bias=bias)
+    n = int((labels != IGNORE).sum())
+    loss = chunked_lm_loss(h, w, labels, bias=b, chunk_size=chunk_size)
+    ref = _plain_loss(h, w, labels, n, b)
+    assert loss.dtype == ref.dtype and loss.shape == ()
+    _assert_close(loss, ref, rel)
+    for got, want in zip(_grads(loss, [h, w, b]), _grads(ref, [h, w, b])):
+        _assert_close(got, want, rel)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n_kind", ["int", "tensor", "tensor1d"])
+def test_num_items_in_batch_is_the_divisor(n_kind):
+    h, w, _, labels = _inputs()
+    n = 1234  # e.g. the global (all CP ranks) count, larger than the local one
+    given = {"int": n, "tensor": torch.tensor(n), "tensor1d": torch.tensor([n])}[n_kind]
+    loss = chunked_lm_loss(h, w, labels, num_items_in_batch=given, chunk_size=8)
+    ref = _plain_loss(h, w, labels, n)
+    _assert_close(loss, ref, 1e-6)
+    for got, want in zip(_grads(loss, [h, w]), _grads(ref, [h, w])):
+        _assert_close(got, want, 1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_shares_sum_to_global_mean():
+    """Split the tokens as CP ranks would; the per-rank shares add up to the global mean loss."""
+    h, w, _, labels = _inputs(batch=1, seq=64)
+    n = int((labels != IGNORE).sum())
+    shares = [
+        chunked_lm_loss(h[:, s], w, labels[:, s], num_items_in_batch=n, chunk_size=5)
+        for s in (slice(0, 16), slice(16, 40), slice(40, 64))
+    ]
+    _assert_close(sum(shares), _plain_loss(h, w, labels, n), 1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_fully_ignored_chunks_and_inputs():
+    h, w, _, labels = _inputs(batch=2, seq=40)
+    labels[0, :] = IGNORE  # a whole row (several whole chunks) ignored
+    labels[1, 8:24] = IGNORE
+    n = int((labels != IGNORE).sum())
+    loss = chunked_lm_loss(h, w, labels, chunk_size=8)
+    ref = _plain_loss(h, w, labels, n)
+    _assert_close(loss, ref, 1e-6)
+    grads = _grads(loss, [h, w])
+    for got, want in zip(grads, _grads(ref, [h, w])):
+        _assert_close(got, want, 1e-6)
+    assert torch.count_nonzero(grads[0][0]) == 0 and torch.count_nonzero(grads[0][1, 8:24]) == 0
+
+    # nothing valid at all: 0 (not NaN) by default, NaN-free zero grads
+    labels[:] = IGNORE
+    loss = chunked_lm_loss(h, w, labels, chunk_size=8)
+    assert loss.item() == 0.0
+    gh, gw = _grads(loss, [h, w])
+    assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+    # with a global divisor (other ranks have the tokens) the share is 0 too
+    assert chunked_lm_loss(h, w, labels, num_items_in_batch=torch.tensor(7)).item() == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_frozen_weight_and_frozen_hidden():
+    h, w, b, labels = _inputs(bias=True)
+    n = int((labels != IGNORE).sum())
+    w.requires_grad_(False)
+    b.requires_grad_(False)
+    loss = chunked_lm_loss(h, w, labels, bias=b, chunk_size=9)
+    (gh,) = _grads(loss, [h])
+    (ref_gh,) = _grads(_plain_loss(h, w, labels, n, b), [h])
+    _assert_close(gh, ref_gh, 1e-6)
+
+    # only the weight trains (hidden detached)
+    w.requires_grad_(True)
+    loss = chunked_lm_loss(h.detach(), w, labels, chunk_size=9)
+    (gw,) = _grads(loss, [w])
+    (ref_gw,) = _grads(_plain_loss(h.detach(), w, labels, n), [w])
+    _assert_close(gw, ref_gw, 1e-6)
+
+    # nothing requires grad: a plain tensor result
+    assert not chunked_lm_loss(h.detach(), w.detach(), labels).requires_grad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_close_to_fp32_oracle(bias):
+    h, w, b, labels = _inputs(batch=2, seq=96, hidden=64, vocab=300, dtype=torch.bfloat16, bias=bias)
+    n = int((labels != IGNORE).sum())
+    loss = chunked_lm_loss(h, w, labels, bias=b, chunk_size=20)
+    assert loss.dtype == torch.float32
+    grads = _grads(loss, [h, w, b])
+    assert [g.dtype for g in grads] == [torch.bfloat16] * len(grads)
+
+    # same numerics as the transformers path (bf16 logits, fp32 loss): tight
+    plain = _plain_loss(h, w, labels, n, b)
+    _assert_close(loss, plain, 1e-5)
+    for got, want in zip(grads, _grads(plain, [h, w, b])):
+        _assert_close(got.float(), want.float(), 2e-2)
+
+    # against full fp32 math on the same (bf16-valued) inputs: bf16 logits rounding only
+    f32 = [t.detach().float().requires_grad_() if t is not None else None for t in (h, w, b)]
+    oracle = _plain_loss(f32[0], f32[1], labels, n, f32[2])
+    assert abs(loss.item() - oracle.item()) < 1e-2
+    for got, want in zip(grads, _grads(oracle, f32)):
+        _assert_close(got.float(), want, 3e-2)
+
+
+@pytest.mark.timeout(120)
+def test_rejects_bad_inputs():
+    h, w, _, labels = _inputs()
+    with pytest.raises(ValueError):
+        chunked_lm_loss(h, w, labels[:, :-1])
+    with pytest.raises(ValueError):
+        chunked_lm_loss(h, w[:, :-1], labels)
+    with pytest.raises(ValueError):
+        chunked_lm_loss(h, w, labels, chunk_size=0)
+    with pytest.raises(TypeError):
+        chunked_lm_loss(h, w, labels.float())
+    # int32 labels work like int64
+    _assert_close(chunked_lm_loss(h, w, labels.int(), chunk_size=7), chunked_lm_loss(h, w, labels), 0)
+    bad = labels.clone()
+    bad[1, 3] = w.shape[0]  # out of vocabulary
+    with pytest.raises(IndexError):
+        chunked_lm_loss(h, w, bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers models
+
+
+def _tiny_llama(tie: bool = False, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg).float()
+
+
+def _batch(seq=48, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (2, seq), generator=gen)
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, :-1] = ids[:, 1:]  # pre-shifted, as RingDataCollator produces
+    labels[0, :12] = IGNORE
+    return ids, labels
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tie", [False, True])
+def test_matches_transformers_llama_loss_and_all_grads(tie):
+    model = _tiny_llama(tie=tie)
+    ids, labels = _batch()
+    n = torch.tensor(int((labels != IGNORE).sum()) + 11)  # a "global" count
+
+    # transformers 5: labels must be non-None for a loss; shift_labels (pre-shifted) takes over
+    hf = model(input_ids=ids, labels=labels, shift_labels=labels, num_items_in_batch=n).loss
+    hf.backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    ours = lm_loss_from_hidden(model, model.model(input_ids=ids).last_hidden_state, labels, n, chunk_size=13)
+    ours.backward()
+    _assert_close(ours, hf, 1e-6)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        _assert_close(p.grad, ref[name], 1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_peft_lora_model_frozen_lm_head():
+    peft = pytest.importorskip("peft")
+    model = _tiny_llama()
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
+    ids, labels = _batch()
+    n = int((labels != IGNORE).sum())
+    hf = lora(input_ids=ids, labels=labels, shift_labels=labels, num_items_in_batch=n).loss
+    hf.backward()
+    trainable = {k: p for k, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in k for k in trainable)
+    ref = {k: p.grad.clone() for k, p in trainable.items()}
+    lora.zero_grad(set_to_none=True)
+
+    hidden = lora.get_base_model().model(input_ids=ids).last_hidden_state
+    ours = lm_loss_from_hidden(lora, hidden, labels, n, chunk_size=10)
+    ours.backward()
+    _assert_close(ours, hf, 1e-6)
+    for k, p in trainable.items():
+        _assert_close(p.grad, ref[k], 1e-5)
+    assert lora.get_base_model().lm_head.weight.grad is None
+
+
+@pytest.mark.timeout(120)
+def test_refuses_lora_on_lm_head():
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    ids, labels = _batch()
+    hidden = lora.get_base_model().model(input_ids=ids).last_hidden_state
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        lm_loss_from_hidden(lora, hidden, labels)
+
+
+@pytest.mark.timeout(120)
+def test_refuses_sharded_or_zero3_trainable_lm_head():
+    model = _tiny_llama()
+    ids, labels = _batch()
+    hidden = model.model(input_ids=ids).last_hidden_state
+    model.lm_head.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its parameters with
+    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+        lm_loss_from_hidden(model, hidden, labels)
+    model.lm_head.weight.requires_grad_(False)  # frozen and gathered (e.g. LoRA): fine
+    assert torch.isfinite(lm_loss_from_hidden(model, hidden, labels))
+    full = model.lm_head.weight.data
+    model.lm_head.weight.data = torch.empty(0)  # partitioned outside a gather
+    with pytest.raises(NotImplementedError, match="sharded"):
+        lm_loss_from_hidden(model, hidden, labels)
+    model.lm_head.weight.data = full
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: no (tokens x vocab) tensor is ever created or kept
+
+
+class _MaxNumel(TorchDispatchMode):
+    """Records the largest tensor any aten op produces (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
+    """Run ``fn()`` and add up the bytes autograd saves for the backward (distinct storages)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+@pytest.mark.timeout(120)
+def test_peak_logits_bounded_by_chunk():
+    seq, hidden, vocab, chunk = 4096, 64, 32000, 512
+    h, w, _, labels = _inputs(batch=1, seq=seq, hidden=hidden, vocab=vocab)
+    inputs_bytes = (h.numel() + w.numel()) * 4 + labels.numel() * 8
+
+    mode = _MaxNumel()
+    with mode:
+        loss, saved = _saved_bytes(lambda: chunked_lm_loss(h, w, labels, chunk_size=chunk))
+        grads = _grads(loss, [h, w])
+    assert mode.max_numel <= chunk * vocab  # the biggest tensor is one chunk's logits
+    # saved for backward: the inputs themselves plus O(tokens) indices / log-sum-exps
+    assert inputs_bytes - labels.numel() * 8 <= saved <= inputs_bytes + 32 * seq
+
+    mode = _MaxNumel()
+    with mode:
+        ref, ref_saved = _saved_bytes(lambda: _plain_loss(h, w, labels, int((labels != IGNORE).sum())))
+        ref_grads = _grads(ref, [h, w])
+    assert mode.max_numel >= seq * vocab  # the plain path materialises the full logits ...
+    assert ref_saved >= seq * vocab * 4  # ... and keeps them for the backward
+    _assert_close(loss, ref, 1e-6)
+    for got, want in zip(grads, ref_grads):
+        _assert_close(got, want, 1e-5)
