@@ -33,6 +33,17 @@ def peak_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def _ring(q, k, v, dout) -> None:
+    zigzag_ring_attention(q, k, v, backend="torch").backward(dout)
+    q.grad = k.grad = v.grad = None
+
+
+def _fused(kernel, q, k, v, dout) -> None:
+    scale = q.shape[-1] ** -0.5
+    out, lse = kernel.forward(q, k, v, True, scale)
+    kernel.backward(dout, q, k, v, out, lse, True, scale)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seq", default="64K,128K,256K,512K")
@@ -41,9 +52,14 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
-    print(f"- {torch.cuda.get_device_name()}; torch {torch.__version__}; "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print("| tokens on the GPU | inputs q,k,v,dout GiB | ring op (N=1) extra peak GiB | fused call extra peak GiB |")
+    print(
+        f"- {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    )
+    print(
+        "| tokens on the GPU | inputs q,k,v,dout GiB | ring op (N=1) extra peak GiB "
+        "| fused call extra peak GiB |"
+    )
     print("|---|---|---|---|")
     kernel = TorchBackend()
     for s in _parse(args.seq):
@@ -53,25 +69,10 @@ def main() -> None:
         dout = torch.randn_like(q)
         inputs = sum(t.numel() * t.element_size() for t in (q, k, v, dout)) / 2**30
 
-        def ring():
-            out = zigzag_ring_attention(q, k, v, backend="torch")
-            out.backward(dout)
-            q.grad = k.grad = v.grad = None
-
-        def fused():
-            out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), True, args.head_dim ** -0.5)
-            kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, True, args.head_dim ** -0.5)
-
-        try:
-            r = peak_gib(ring)
-        except torch.OutOfMemoryError:
-            r = float("nan")
-        try:
-            f = peak_gib(fused)
-        except torch.OutOfMemoryError:
-            f = float("nan")
+        r = peak_gib(lambda: _ring(q, k, v, dout))
+        f = peak_gib(lambda: _fused(kernel, q.detach(), k.detach(), v.detach(), dout))
         print(f"| {s // 1024}K | {inputs:.2f} | {r:.2f} | {f:.2f} |", flush=True)
-        del q, k, v, dout
+        q = k = v = dout = None
         torch.cuda.empty_cache()
 
 

@@ -8,7 +8,8 @@ import sys
 
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="ringft train", description="Fine-tune with a recipe (run under `accelerate launch`).",
+        prog="ringft train",
+        description="Fine-tune with a recipe (run under `accelerate launch`).",
         epilog="Any recipe key can be overridden: --train.max_steps 20 --parallel.cp_size 4",
     )
     parser.add_argument("recipe", help="recipe YAML file")
@@ -46,10 +47,12 @@ COMMANDS = {"train": _train, "eval-lines": _eval_lines, "plan": _plan}
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: ringft {train,eval-lines,plan} ...\n"
-              "  train RECIPE.yaml [--resume] [--section.key value ...]\n"
-              "  eval-lines --model PATH --lengths 4096,8192 --depths 0,0.5,1 [--cp N]\n"
-              "  plan --model llama-3-8b --seq-len 524288 --gpus 8 --gpu-mem 80")
+        print(
+            "usage: ringft {train,eval-lines,plan} ...\n"
+            "  train RECIPE.yaml [--resume] [--section.key value ...]\n"
+            "  eval-lines --model PATH --lengths 4096,8192 --depths 0,0.5,1 [--cp N]\n"
+            "  plan --model llama-3-8b --seq-len 524288 --gpus 8 --gpu-mem 80"
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -97,8 +97,13 @@ class Recipe:
 
 
 _SECTIONS = {
-    "model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig, "train": TrainConfig,
-    "lora": LoraConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "lora": LoraConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
 }
 
 

@@ -126,7 +126,11 @@ def _decode_attention(module, spec: RingSpec, query, key, value, scaling) -> tor
         v_cache = torch.cat([v_cache, value.transpose(1, 2)], dim=1)
         spec.cache[module.layer_idx] = (k_cache, v_cache)
     out = sharded_cache_attention(
-        query.transpose(1, 2), k_cache, v_cache, softmax_scale=scaling, group=spec.group,
+        query.transpose(1, 2),
+        k_cache,
+        v_cache,
+        softmax_scale=scaling,
+        group=spec.group,
         backend=spec.backend,
     )
     return out.contiguous()
@@ -222,9 +226,7 @@ def apply_ring_attention(
     if old is not None:
         old.hook.remove()
     previous = old.previous_implementation if old else config._attn_implementation
-    spec = RingSpec(
-        group=cp_group, backend=backend, size=size, previous_implementation=previous, rank=rank
-    )
+    spec = RingSpec(group=cp_group, backend=backend, size=size, previous_implementation=previous, rank=rank)
     spec.hook = _base_transformer(model).register_forward_pre_hook(_input_check_hook(spec), with_kwargs=True)
     pretrained._ringft_ring = spec
     for module in attn_modules:

@@ -84,7 +84,9 @@ class RingInference:
         return self.lm_head(hidden[0, -1]).float()
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None
+    ) -> list[int]:
         """Greedy decoding; returns the generated ids (without the prompt, without EOS)."""
         out: list[int] = []
         try:

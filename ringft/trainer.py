@@ -69,8 +69,12 @@ class CausalLMLoss(nn.Module):
             )
         with offload:
             out = self.model(
-                input_ids=input_ids, position_ids=position_ids, labels=shift_labels,
-                shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, use_cache=False,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                labels=shift_labels,
+                shift_labels=shift_labels,
+                num_items_in_batch=num_items_in_batch,
+                use_cache=False,
             )
         return out.loss
 
@@ -136,8 +140,12 @@ def load_training_data(recipe: Recipe, tokenizer):
 
     syn = dict(d.synthetic)
     return make_synthetic_dataset(
-        tokenizer, syn.pop("num_examples", 256), d.seq_len, recipe.train.seed,
-        loss_on=syn.pop("loss_on", "answer"), min_len=syn.pop("min_len", None),
+        tokenizer,
+        syn.pop("num_examples", 256),
+        d.seq_len,
+        recipe.train.seed,
+        loss_on=syn.pop("loss_on", "answer"),
+        min_len=syn.pop("min_len", None),
     )
 
 
@@ -180,11 +188,14 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [
-        p for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit()
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith(CHECKPOINT_PREFIX)
+        and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
         and (p / STATE_FILE).is_file()
     ]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -207,7 +218,11 @@ def _test_hook(name: str, step: int) -> None:
     if not spec:
         return
     point, at_step, at_rank = spec.split(":")
-    if point == name and int(at_step) == step and int(at_rank) == (dist.get_rank() if dist.is_initialized() else 0):
+    if (
+        point == name
+        and int(at_step) == step
+        and int(at_rank) == (dist.get_rank() if dist.is_initialized() else 0)
+    ):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
@@ -243,10 +258,16 @@ class Trainer:
             from peft import LoraConfig, get_peft_model
 
             lc = recipe.lora
-            model = get_peft_model(model, LoraConfig(
-                r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
-                task_type="CAUSAL_LM",
-            ))
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=lc.r,
+                    lora_alpha=lc.alpha,
+                    lora_dropout=lc.dropout,
+                    target_modules=list(lc.target_modules),
+                    task_type="CAUSAL_LM",
+                ),
+            )
             if recipe.train.gradient_checkpointing:
                 model.enable_input_require_grads()
         model.train()
@@ -265,7 +286,8 @@ class Trainer:
         no_decay = [p for p in params if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr, betas=tuple(t.betas),
+            lr=t.lr,
+            betas=tuple(t.betas),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
         wrapped = CausalLMLoss(model, t.chunked_loss, t.loss_chunk_size, t.offload_activations)
@@ -281,7 +303,9 @@ class Trainer:
                 self.start_step = state["step"]
                 self.accelerator.print(f"resumed from {ckpts[-1]} (step {self.start_step})")
             else:
-                self.accelerator.print(f"--resume: no complete checkpoint in {out}/checkpoints, starting fresh")
+                self.accelerator.print(
+                    f"--resume: no complete checkpoint in {out}/checkpoints, starting fresh"
+                )
         if tracker:
             self.accelerator.init_trackers(recipe.logging.project, config=_flat(recipe.to_dict()))
 
@@ -313,8 +337,10 @@ class Trainer:
             ctx = self.accelerator.no_sync(self.wrapped) if not sync else contextlib.nullcontext()
             with ctx:
                 loss = self.wrapped(
-                    input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                    shift_labels=batch["shift_labels"], num_items_in_batch=global_items,
+                    input_ids=batch["input_ids"],
+                    position_ids=batch["position_ids"],
+                    shift_labels=batch["shift_labels"],
+                    num_items_in_batch=global_items,
                 )
                 self.accelerator.backward(loss * world)  # DDP averages over the world
             loss_sum += loss.detach().float()
@@ -363,7 +389,9 @@ class Trainer:
             model.save_pretrained(str(final))
             apply_ring_attention(model, self.layout.cp_group, self.recipe.model.attn_backend)
             self.tokenizer.save_pretrained(str(final))
-            (final / "ringft_recipe.json").write_text(json.dumps(self.recipe.to_dict(), indent=1, default=str))
+            (final / "ringft_recipe.json").write_text(
+                json.dumps(self.recipe.to_dict(), indent=1, default=str)
+            )
         self.accelerator.wait_for_everyone()
         return final
 
@@ -374,8 +402,12 @@ class Trainer:
         t, ck = self.recipe.train, self.recipe.checkpoint
         losses: list[float] = []
         bar = tqdm(
-            total=t.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
-            disable=not (self.progress and self.accelerator.is_main_process), file=sys.stdout,
+            total=t.max_steps,
+            initial=self.start_step,
+            desc="train",
+            dynamic_ncols=True,
+            disable=not (self.progress and self.accelerator.is_main_process),
+            file=sys.stdout,
         )
         tokens_done, started = 0, time.perf_counter()
         for step in range(self.start_step, t.max_steps):
@@ -390,8 +422,13 @@ class Trainer:
             bar.update(1)
             if (step + 1) % self.recipe.logging.log_every == 0:
                 self.accelerator.log(
-                    {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tps,
-                     "peak_mem_gb": peak}, step=step + 1,
+                    {
+                        "loss": loss,
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "tokens_per_s": tps,
+                        "peak_mem_gb": peak,
+                    },
+                    step=step + 1,
                 )
             _test_hook("step", step + 1)
             if ck.save_every and (step + 1) % ck.save_every == 0 and step + 1 < t.max_steps:

@@ -18,10 +18,17 @@ def _save_tiny_model(path: Path) -> None:
 
     tok = load_demo_tokenizer()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    ))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
+    )
     model.save_pretrained(path)
     tok.save_pretrained(path)
 
@@ -29,10 +36,29 @@ def _save_tiny_model(path: Path) -> None:
 def eval_worker(rank: int, world: int, model: str, out: str, cp: int) -> int:
     from ringft.evals.lines import main
 
-    return main([
-        "--model", model, "--lengths", "144,208", "--depths", "0,1", "--cases", "2", "--output", out,
-        "--dtype", "fp32", "--backend", "torch", "--cp", str(cp), "--no-progress", "--max-new-tokens", "4",
-    ])
+    return main(
+        [
+            "--model",
+            model,
+            "--lengths",
+            "144,208",
+            "--depths",
+            "0,1",
+            "--cases",
+            "2",
+            "--output",
+            out,
+            "--dtype",
+            "fp32",
+            "--backend",
+            "torch",
+            "--cp",
+            str(cp),
+            "--no-progress",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
 
 
 def _results(out: Path) -> list[dict]:

@@ -37,11 +37,15 @@ def inference_worker(rank: int, world: int) -> list[dict]:
         ref_logprob = sum(
             torch.log_softmax(ref_logits[prompt_len - 1 + i], -1)[t].item() for i, t in enumerate(tokens[:3])
         )
-        records.append({
-            "tokens": tokens, "ref_tokens": ref_tokens, "argmax_ok": argmax_ok,
-            "logits_err": (first_logits - ref_logits[prompt_len - 1]).abs().max().item(),
-            "logprob_err": abs(logprob - ref_logprob),
-        })
+        records.append(
+            {
+                "tokens": tokens,
+                "ref_tokens": ref_tokens,
+                "argmax_ok": argmax_ok,
+                "logits_err": (first_logits - ref_logits[prompt_len - 1]).abs().max().item(),
+                "logprob_err": abs(logprob - ref_logprob),
+            }
+        )
     return records
 
 

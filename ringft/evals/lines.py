@@ -63,10 +63,17 @@ def evaluate_case(engine, tokenizer, case: LineCase, max_new_tokens: int) -> dic
     text = tokenizer.decode(generated, skip_special_tokens=True)
     logprob, argmax_ok = engine.answer_logprob(prompt_ids, answer_token_ids(tokenizer, case))
     return {
-        "key": case_key(case), "length": case.length, "depth": case.depth, "case_index": case.case_index,
-        "num_tokens": len(prompt_ids), "answer": case.answer, "target_line": case.target_line,
-        "generated": text, "correct": score_answer(text, case.answer),
-        "answer_prob": math.exp(logprob), "teacher_forced_correct": argmax_ok,
+        "key": case_key(case),
+        "length": case.length,
+        "depth": case.depth,
+        "case_index": case.case_index,
+        "num_tokens": len(prompt_ids),
+        "answer": case.answer,
+        "target_line": case.target_line,
+        "generated": text,
+        "correct": score_answer(text, case.answer),
+        "answer_prob": math.exp(logprob),
+        "teacher_forced_correct": argmax_ok,
     }
 
 
@@ -83,13 +90,20 @@ def summarize(results: list[dict[str, Any]], out_dir: Path) -> str:
 
     with open(out_dir / "summary.csv", "w", newline="") as fh:
         writer = csv.writer(fh)
-        writer.writerow(["length", "depth", "cases", "accuracy", "mean_answer_prob", "teacher_forced_accuracy"])
+        writer.writerow(
+            ["length", "depth", "cases", "accuracy", "mean_answer_prob", "teacher_forced_accuracy"]
+        )
         for (length, depth), rs in sorted(cells.items()):
-            writer.writerow([
-                length, depth, len(rs), f"{acc(rs):.4f}",
-                f"{sum(r['answer_prob'] for r in rs) / len(rs):.4f}",
-                f"{sum(r['teacher_forced_correct'] for r in rs) / len(rs):.4f}",
-            ])
+            writer.writerow(
+                [
+                    length,
+                    depth,
+                    len(rs),
+                    f"{acc(rs):.4f}",
+                    f"{sum(r['answer_prob'] for r in rs) / len(rs):.4f}",
+                    f"{sum(r['teacher_forced_correct'] for r in rs) / len(rs):.4f}",
+                ]
+            )
     header = "| length \\ depth | " + " | ".join(f"{d:.0%}" for d in depths) + " | all |"
     lines = [header, "|" + "---|" * (len(depths) + 2)]
     for length in lengths:
@@ -97,8 +111,10 @@ def summarize(results: list[dict[str, Any]], out_dir: Path) -> str:
         all_rs = [r for d in depths for r in cells.get((length, d), [])]
         lines.append(f"| {length} | " + " | ".join(f"{a:.2f}" for a in row) + f" | {acc(all_rs):.2f} |")
     overall = acc(results)
-    lines.append(f"\nOverall accuracy: {overall:.3f} over {len(results)} cases "
-                 f"(greedy generation, first integer must equal the stored number).")
+    lines.append(
+        f"\nOverall accuracy: {overall:.3f} over {len(results)} cases "
+        f"(greedy generation, first integer must equal the stored number)."
+    )
     table = "\n".join(lines)
     (out_dir / "summary.md").write_text(table + "\n")
     try:
@@ -186,8 +202,12 @@ def run_eval(args: argparse.Namespace) -> list[dict[str, Any]]:
     engine = RingInference(model, layout.cp_group, args.backend)
     writer = layout.cp_rank == 0
     path = out_dir / f"results-dp{layout.dp_rank}.jsonl"
-    bar = tqdm(mine, desc=f"eval-lines dp{layout.dp_rank}", disable=args.no_progress or not state.is_main_process,
-               file=sys.stdout)
+    bar = tqdm(
+        mine,
+        desc=f"eval-lines dp{layout.dp_rank}",
+        disable=args.no_progress or not state.is_main_process,
+        file=sys.stdout,
+    )
     for case in bar:
         rec = evaluate_case(engine, tokenizer, case, args.max_new_tokens)
         if writer:
