@@ -24,11 +24,11 @@ def _parse(text: str) -> list[int]:
     return [int(x[:-1]) * 1024 if x.endswith("K") else int(x) for x in text.split(",")]
 
 
-def peak_gib(fn) -> float:
+def peak_gib(fn, *args) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fn()
+    fn(*args)
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
@@ -69,8 +69,8 @@ def main() -> None:
         dout = torch.randn_like(q)
         inputs = sum(t.numel() * t.element_size() for t in (q, k, v, dout)) / 2**30
 
-        r = peak_gib(lambda: _ring(q, k, v, dout))
-        f = peak_gib(lambda: _fused(kernel, q.detach(), k.detach(), v.detach(), dout))
+        r = peak_gib(_ring, q, k, v, dout)
+        f = peak_gib(_fused, kernel, q.detach(), k.detach(), v.detach(), dout)
         print(f"| {s // 1024}K | {inputs:.2f} | {r:.2f} | {f:.2f} |", flush=True)
         q = k = v = dout = None
         torch.cuda.empty_cache()
