@@ -1,0 +1,103 @@
+# shellcheck shell=bash
+# Shared by the recipe wrappers (recipes/*/run*.sh); sourced, not run. It launches recipe stages
+# in order under `accelerate launch ... -m ringft train STAGE.yaml --resume [overrides]`.
+#
+# The wrapper sets, before calling `run_stages "$@"`:
+#   RECIPES=(a.yaml b.yaml ...)   the stages, in order
+#   DEFAULT_CONFIG=...            the accelerate launch config
+#   LAYER_CLS=...                 the decoder layer class (used when the config is an FSDP one)
+# The user may set:
+#   ACCELERATE_CONFIG=path        another launch config (e.g. recipes/accelerate/fsdp.yaml)
+#   LAUNCH_ARGS="..."             extra `accelerate launch` flags (e.g. multi-node: --num_machines 2
+#                                 --num_processes 16 --machine_rank 0 --main_process_ip 10.0.0.1)
+#   STAGES="3 4"                  run only these stages (1-based; default: all)
+#   DRY_RUN=1                     print the commands instead of running them
+#   PYTHON / ACCELERATE           the interpreter / launcher to use (default: python / accelerate)
+# Arguments are ringft overrides (--section.key value ...), passed to every stage.
+# Each stage runs with --resume (it continues from its newest complete checkpoint, or starts
+# fresh) and is skipped once its output_dir/final/ringft_recipe.json exists (the export is done):
+# re-running a wrapper after a crash continues where it stopped. Delete a stage's output_dir to
+# train it again. Do not override checkpoint.output_dir or model.name_or_path here: every stage
+# reads the previous stage's output_dir/final.
+
+_stage_yaml_get() {  # _stage_yaml_get FILE dotted.key -> the value, printed
+    "${PYTHON:-python}" - "$1" "$2" <<'PYEOF'
+import sys
+
+import yaml
+
+node = yaml.safe_load(open(sys.argv[1]))
+for part in sys.argv[2].split("."):
+    node = (node or {}).get(part)
+print("" if node is None else node)
+PYEOF
+}
+
+_stage_override() {  # _stage_override dotted.key ARGS... -> value of --dotted.key in ARGS, if any
+    local key=$1
+    shift
+    while (($#)); do
+        local flag=${1//-/_}
+        if [[ "$flag" == "__${key}" && $# -ge 2 ]]; then
+            printf '%s\n' "$2"
+            return 0
+        fi
+        shift
+    done
+    return 0
+}
+
+_stage_exec() {
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        printf '%q ' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+
+run_stages() {
+    local config=${ACCELERATE_CONFIG:-$DEFAULT_CONFIG}
+    local -a launch_args=()
+    if [[ -n "${LAUNCH_ARGS:-}" ]]; then
+        read -r -a launch_args <<<"$LAUNCH_ARGS"
+    fi
+    if [[ "$(basename "$config")" == fsdp* ]]; then
+        launch_args+=(--fsdp_transformer_layer_cls_to_wrap "$LAYER_CLS")
+    fi
+    if [[ ! -f "$config" ]]; then
+        echo "error: accelerate config $config does not exist" >&2
+        return 2
+    fi
+    local -a selected=()
+    if [[ -n "${STAGES:-}" ]]; then
+        local n
+        for n in $STAGES; do
+            if ! [[ "$n" =~ ^[0-9]+$ ]] || ((n < 1 || n > ${#RECIPES[@]})); then
+                echo "error: STAGES entries must be 1..${#RECIPES[@]}, got '$n'" >&2
+                return 2
+            fi
+            selected+=("${RECIPES[n - 1]}")
+        done
+    else
+        selected=("${RECIPES[@]}")
+    fi
+    local recipe out src
+    for recipe in "${selected[@]}"; do
+        out=$(_stage_override checkpoint.output_dir "$@")
+        [[ -n "$out" ]] || out=$(_stage_yaml_get "$recipe" checkpoint.output_dir)
+        src=$(_stage_override model.name_or_path "$@")
+        [[ -n "$src" ]] || src=$(_stage_yaml_get "$recipe" model.name_or_path)
+        if [[ -f "$out/final/ringft_recipe.json" ]]; then
+            echo "== $recipe: $out/final exists, skipping (delete $out to train it again)" >&2
+            continue
+        fi
+        if [[ "${DRY_RUN:-0}" != 1 && "$src" == outputs/* && ! -d "$src" ]]; then
+            echo "error: $recipe starts from $src, which does not exist: run the previous stage first" >&2
+            return 1
+        fi
+        echo "== $recipe ($config): $src -> $out/final" >&2
+        _stage_exec "${ACCELERATE:-accelerate}" launch --config_file "$config" "${launch_args[@]}" \
+            -m ringft train "$recipe" --resume "$@"
+    done
+}
