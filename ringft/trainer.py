@@ -387,6 +387,10 @@ class Trainer:
 
             remove_ring_attention(model)  # saved configs name a standard attention implementation
             model.save_pretrained(str(final))
+            if hasattr(model, "get_base_model"):
+                # A LoRA adapter: also save the base config with this run's RoPE / context
+                # overrides, so the adapter is evaluated with the theta it was trained at.
+                model.get_base_model().config.save_pretrained(str(final))
             apply_ring_attention(model, self.layout.cp_group, self.recipe.model.attn_backend)
             self.tokenizer.save_pretrained(str(final))
             (final / "ringft_recipe.json").write_text(

@@ -43,9 +43,14 @@ def load_eval_model(path: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     if Path(path, "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
+        from peft import PeftConfig, PeftModel
+        from transformers import AutoConfig
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype).merge_and_unload()
+        base_name = PeftConfig.from_pretrained(path).base_model_name_or_path
+        # ringft's trainer saves the base config with the run's RoPE overrides next to the adapter.
+        config = AutoConfig.from_pretrained(path if Path(path, "config.json").is_file() else base_name)
+        base = AutoModelForCausalLM.from_pretrained(base_name, config=config, dtype=dtype)
+        model = PeftModel.from_pretrained(base, path).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device)
