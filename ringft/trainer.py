@@ -246,6 +246,15 @@ class Trainer:
         )
         world = self.accelerator.num_processes
         validate(recipe, world_size=world)
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise RecipeError(
+                "DeepSpeed launch configs are not supported by ringft's trainer yet: its engine steps "
+                "the optimizer per micro-batch (ringft accumulates itself), needs a dataloader to size "
+                "its micro-batch, and ZeRO-3 partitions the lm_head that the chunked loss reads. Use "
+                "recipes/accelerate/fsdp.yaml (full fine-tuning) or 1node_8gpu.yaml (LoRA) instead"
+            )
         self.device = self.accelerator.device
         self.layout = build_layout(recipe.parallel.cp_size, self.device.type)
         torch.manual_seed(recipe.train.seed)
@@ -381,12 +390,19 @@ class Trainer:
     def export(self) -> Path:
         """Save the final model (or LoRA adapter) and tokenizer to ``output_dir/final``."""
         final = Path(self.recipe.checkpoint.output_dir) / "final"
+        from accelerate.utils import DistributedType
+
+        # Sharded weights (FSDP) are gathered into a full state dict on every rank first.
+        state = None
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            full = self.accelerator.get_state_dict(self.wrapped)
+            state = {k.removeprefix("model."): v for k, v in full.items()}
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(self.wrapped).model
             from ringft.hf import remove_ring_attention
 
             remove_ring_attention(model)  # saved configs name a standard attention implementation
-            model.save_pretrained(str(final))
+            model.save_pretrained(str(final), state_dict=state)
             if hasattr(model, "get_base_model"):
                 # A LoRA adapter: also save the base config with this run's RoPE / context
                 # overrides, so the adapter is evaluated with the theta it was trained at.
