@@ -184,6 +184,20 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     m, d, p, t = recipe.model, recipe.data, recipe.parallel, recipe.train
     if (m.name_or_path is None) == (m.config is None):
         raise RecipeError("set exactly one of model.name_or_path (pretrained) or model.config (from scratch)")
+    if m.config is not None and m.model_type not in ("llama", "mistral"):
+        raise RecipeError(
+            f"model.model_type {m.model_type!r} is not supported: ringft trains llama or mistral models"
+        )
+    from ringft.ops.kernels import BACKENDS
+
+    if m.attn_backend not in BACKENDS:
+        raise RecipeError(f"model.attn_backend must be one of {', '.join(BACKENDS)}, got {m.attn_backend!r}")
+    if recipe.logging.tracker not in (None, "none", "tensorboard", "wandb"):
+        raise RecipeError(
+            f"logging.tracker must be tensorboard, wandb or none, got {recipe.logging.tracker!r}"
+        )
+    if recipe.lora is not None and recipe.lora.r < 1:
+        raise RecipeError(f"lora.r must be >= 1, got {recipe.lora.r}")
     if m.dtype not in ("bf16", "fp32"):
         raise RecipeError(f"model.dtype must be bf16 or fp32, got {m.dtype!r}")
     if (d.path is None) == (d.synthetic is None):

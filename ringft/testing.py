@@ -33,6 +33,8 @@ def _worker(fn, rank: int, world_size: int, port: int, timeout: float, args, que
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
