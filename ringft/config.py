@@ -63,6 +63,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gradient_checkpointing: bool = True
     offload_activations: bool = False  # checkpointed layer inputs to CPU memory
+    tiled_mlp_tokens: int | None = None  # run the MLP in tiles of this many tokens (None: off)
     chunked_loss: bool = True  # LM head + cross-entropy in token chunks
     loss_chunk_size: int = 4096
     seed: int = 0

@@ -263,6 +263,10 @@ class Trainer:
         if recipe.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         apply_ring_attention(model, self.layout.cp_group, recipe.model.attn_backend)
+        if recipe.train.tiled_mlp_tokens:
+            from ringft.tiled_mlp import enable_tiled_mlp
+
+            enable_tiled_mlp(model, tile_tokens=recipe.train.tiled_mlp_tokens)
         if recipe.lora is not None:
             from peft import LoraConfig, get_peft_model
 

@@ -1,0 +1,329 @@
+"""Training-step memory and speed on CPU with ringft's memory options, measured vs planned.
+
+For a small LLaMA (fp32) one training step (forward + backward, no optimizer) is run per
+(option set, sequence length, CP size) in gloo processes (``ringft.testing.run_distributed``; one
+process for CP = 1, two for CP = 2, 1 thread each). Option sets are cumulative:
+
+- ``baseline``: full logits (transformers' loss), no checkpointing;
+- ``chunked``: ``ringft.loss`` chunked lm_head + cross-entropy;
+- ``+ckpt``: per-layer gradient checkpointing (non-reentrant);
+- ``+offload``: ``save_on_cpu`` around the decoder (on CPU the "offloaded" copies stay in the same
+  memory: only meaningful on GPU; reported for completeness);
+- ``+tiled``: ``ringft.tiled_mlp`` (MLP over token tiles, each checkpointed).
+
+Memory: the rise of the process's resident set during the step. Before each step the kernel's
+high-water mark is reset to the current RSS (``echo 5 > /proc/self/clear_refs``) and that RSS is
+the baseline (model weights and zero-filled fp32 grads, pre-allocated and kept between steps as
+DDP's buckets keep them); the peak is ``VmHWM`` after the step minus the baseline: the step's
+activations and transients. ``MALLOC_MMAP_THRESHOLD_`` is set in
+the measured processes so that freed large buffers go back to the OS (glibc otherwise keeps them
+in its heap and RSS never falls between steps). The planner (``ringft.planner``, ``dtype="fp32"``,
+no overhead constant) is compared with ``checkpointed + max(layer, loss working set)`` (+ the
+activations it counts as offloaded, since on CPU they stay in RSS): the step has no optimizer and
+weights and grads are in the baseline.
+
+Run: ``python benchmarks/bench_memory.py`` (about 6-8 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ringft without installing
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+MODEL: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 65536,
+    "tie_word_embeddings": False,
+}
+LOSS_CHUNK = 512
+TILE_TOKENS = 1024
+CONFIGS: dict[str, dict[str, bool]] = {
+    "baseline": {"chunked": False, "ckpt": False, "offload": False, "tiled": False},
+    "chunked": {"chunked": True, "ckpt": False, "offload": False, "tiled": False},
+    "+ckpt": {"chunked": True, "ckpt": True, "offload": False, "tiled": False},
+    "+offload": {"chunked": True, "ckpt": True, "offload": True, "tiled": False},
+    "+tiled": {"chunked": True, "ckpt": True, "offload": True, "tiled": True},
+}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Reset the RSS high-water mark to the current RSS; return that RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _build_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="sdpa"))
+    model.config.use_cache = False
+    return model.train()
+
+
+def _set_options(model: torch.nn.Module, opts: dict[str, bool]) -> None:
+    from ringft.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
+
+    if opts["ckpt"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    if opts["tiled"]:
+        enable_tiled_mlp(model, tile_tokens=TILE_TOKENS)
+    else:
+        disable_tiled_mlp(model)
+    model.train()
+
+
+def _step(model: torch.nn.Module, seq: int, rank: int, world: int, opts: dict[str, bool]) -> float:
+    """One forward + backward of a ``seq``-token sequence (global); returns seconds."""
+    from ringft import RingDataCollator
+    from ringft.trainer import CausalLMLoss
+
+    gen = torch.Generator().manual_seed(seq)
+    ids = torch.randint(1, MODEL["vocab_size"], (seq,), generator=gen).tolist()
+    batch = RingDataCollator(rank, world, pad_token_id=0)([{"input_ids": ids}])
+    loss_fn = CausalLMLoss(model, opts["chunked"], LOSS_CHUNK, opts["offload"])
+    if world > 1:
+        torch.distributed.barrier()
+    t0 = time.perf_counter()
+    loss = loss_fn(**batch)
+    loss.backward()
+    if world > 1:
+        torch.distributed.barrier()
+    elapsed = time.perf_counter() - t0
+    del loss
+    model.zero_grad(set_to_none=False)  # keep the (pre-allocated) grads resident, as DDP does
+    return elapsed
+
+
+def measure_worker(rank: int, world: int, jobs: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Run each ``(config, global seq)`` step in this process; per-step RSS rise and time."""
+    from ringft import apply_ring_attention
+
+    model = apply_ring_attention(_build_model())
+    for param in model.parameters():  # resident grads (DDP buckets keep them): part of the baseline
+        param.grad = torch.zeros_like(param)
+    _set_options(model, CONFIGS["+tiled"])
+    _step(model, 512 * world, rank, world, CONFIGS["+tiled"])  # warm-up: page in all code paths
+    _set_options(model, CONFIGS["baseline"])
+    _step(model, 512 * world, rank, world, CONFIGS["baseline"])
+    out = []
+    for name, seq in jobs:
+        opts = CONFIGS[name]
+        _set_options(model, opts)
+        base = _reset_peak()
+        seconds = _step(model, seq, rank, world, opts)
+        peak = _status_kib("VmHWM") * 1024 - base
+        out.append({"config": name, "seq": seq, "peak": peak, "seconds": seconds, "base": base})
+    return out
+
+
+def planned(seq: int, cp: int, opts: dict[str, bool], cap_gib: float = 1.0) -> int:
+    """Planner's bytes for what the measurement sees: activations (incl. the CPU-offloaded ones)."""
+    from ringft.planner import plan_memory
+
+    plan = plan_memory(
+        MODEL | {"model_type": "llama"},
+        seq,
+        cp,
+        cap_gib,
+        cp_size=cp,
+        dtype="fp32",
+        gradient_checkpointing=opts["ckpt"],
+        offload_activations=opts["offload"],
+        chunked_loss=opts["chunked"],
+        loss_chunk_size=LOSS_CHUNK,
+        tiled_mlp=opts["tiled"],
+        mlp_tile_tokens=TILE_TOKENS,
+        overhead_gib=0.0,
+    )
+    working = max(plan.layer_working_set, plan.loss_working_set)
+    return plan.checkpointed_activations + working + plan.cpu_offloaded
+
+
+def weight_bytes() -> int:
+    """fp32 weights + resident fp32 grads."""
+    from ringft.planner import load_model_shape
+
+    return 8 * load_model_shape(MODEL | {"model_type": "llama"}).total_params
+
+
+def max_local_seq(cp: int, opts: dict[str, bool], cap: int, limit_k: int = 256) -> int:
+    """Largest per-rank sequence (multiple of 1K) with planned weights + grads + activations <= cap."""
+    best = 0
+    for k in range(1, limit_k + 1):
+        if weight_bytes() + planned(k * 1024 * cp, cp, opts) > cap:
+            break
+        best = k * 1024
+    return best
+
+
+def _run(cp: int, jobs: list[tuple[str, int]], timeout: float) -> list[list[dict[str, Any]]]:
+    from ringft.testing import run_distributed
+
+    return run_distributed(measure_worker, cp, jobs, timeout=timeout)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqs", default="1024,2048,4096", help="global sequence lengths")
+    p.add_argument("--cp", default="1,2")
+    p.add_argument("--cap-gib", type=float, default=0.75, help="memory cap for the largest-sequence search")
+    p.add_argument("--confirm-max-seq", type=int, default=4096, help="measure found sizes up to this")
+    p.add_argument("--no-sweep", action="store_true", help="only the largest-sequence search")
+    p.add_argument("--out", default=None, help="append the markdown section to this file")
+    args = p.parse_args(argv)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned measured processes
+    seqs = [int(s) for s in args.seqs.split(",")]
+    cps = [int(c) for c in args.cp.split(",")]
+    t_start = time.time()
+    rows: list[list[str]] = []
+    for cp in [] if args.no_sweep else cps:
+        jobs = [(name, s) for name in CONFIGS for s in seqs]
+        t0 = time.time()
+        per_rank = _run(cp, jobs, timeout=900)
+        print(f"CP={cp}: {time.time() - t0:.0f} s", flush=True)
+        for i, (name, seq) in enumerate(jobs):
+            peak = max(r[i]["peak"] for r in per_rank)
+            sec = max(r[i]["seconds"] for r in per_rank)
+            plan = planned(seq, cp, CONFIGS[name])
+            err = 100 * (plan - peak) / peak
+            note = " (same RSS on CPU)" if name == "+offload" else ""
+            rows.append(
+                [
+                    str(cp),
+                    name + note,
+                    str(seq),
+                    str(seq // cp),
+                    f"{peak / MIB:.0f}",
+                    f"{plan / MIB:.0f}",
+                    f"{err:+.1f}%",
+                    f"{seq / sec:.0f}",
+                ]
+            )
+            print(rows[-1], flush=True)
+    cap = int(args.cap_gib * GIB)
+    wbytes = weight_bytes()
+    cap_rows: list[list[str]] = []
+    confirm: dict[int, list[tuple[str, int]]] = {cp: [] for cp in cps}
+    found: dict[tuple[int, str], int] = {}
+    for cp in cps:
+        for name, opts in CONFIGS.items():
+            local = max_local_seq(cp, opts, cap)
+            found[(cp, name)] = local
+            # +offload is +ckpt on CPU (the same RSS): not confirmed separately
+            if 0 < local and local * cp <= args.confirm_max_seq and name != "+offload":
+                confirm[cp].append((name, local * cp))
+    measured_cap: dict[tuple[int, str], int] = {}
+    for cp in cps:
+        if confirm[cp]:
+            per_rank = _run(cp, confirm[cp], timeout=900)
+            for i, (name, _seq) in enumerate(confirm[cp]):
+                measured_cap[(cp, name)] = max(r[i]["peak"] for r in per_rank)
+    for cp in cps:
+        for name in CONFIGS:
+            local = found[(cp, name)]
+            m = measured_cap.get((cp, name))
+            plan = wbytes + planned(local * cp, cp, CONFIGS[name]) if local else 0
+            meas = f"{(wbytes + m) / MIB:.0f}" if m is not None else "not run"
+            fits = ("yes" if wbytes + m <= cap else "NO") if m is not None else "-"
+            shown = str(local) if local else "< 1024"
+            cap_rows.append([str(cp), name, shown, f"{plan / MIB:.0f}" if local else "-", meas, fits])
+    total_s = time.time() - t_start
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?")
+    lines = [
+        "",
+        "## Training memory on CPU (bench_memory.py)",
+        "",
+        f"Command: `python benchmarks/bench_memory.py --seqs {args.seqs} --cp {args.cp} "
+        f"--cap-gib {args.cap_gib}`  ",
+        f"Machine: {cpu_model}, {os.cpu_count()} cores (shared with other jobs), {platform.platform()}; "
+        f"torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"run time {total_s:.0f} s.  ",
+        f"Model: LLaMA fp32, hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, "
+        f"{MODEL['num_attention_heads']} heads / {MODEL['num_key_value_heads']} kv, intermediate "
+        f"{MODEL['intermediate_size']}, vocab {MODEL['vocab_size']} (untied): {wbytes / 2 / MIB:.0f} MiB of "
+        f"weights (+ the same in resident grads). One sequence per step, fwd + bwd (no optimizer), "
+        f"ring attention (torch backend), "
+        f"loss chunk {LOSS_CHUNK}, MLP tile {TILE_TOKENS} tokens; 1 thread per process.",
+        "",
+        "Peak = rise of RSS during the step (`VmHWM` after a `clear_refs` reset, minus RSS before, "
+        "which holds the weights and the pre-allocated grads): activations + transients, max over "
+        "ranks; `MALLOC_MMAP_THRESHOLD_=131072` in the measured "
+        "processes. Plan = `ringft.planner` checkpointed + max(layer, loss working set) "
+        "(+ the part it would move to CPU: on CPU offload keeps the same memory, so the `+offload` "
+        "rows are only meaningful on a GPU); plan err = (plan - peak) / peak. tokens/s = global "
+        "tokens / wall time of the step (slowest rank).",
+        "",
+    ]
+    lines += (
+        []
+        if args.no_sweep
+        else _table(
+            [
+                "CP",
+                "options (cumulative)",
+                "S global",
+                "S/rank",
+                "peak MiB",
+                "plan MiB",
+                "plan err",
+                "tokens/s",
+            ],
+            rows,
+        )
+    )
+    lines += [
+        "",
+        f"Largest sequence per rank that fits a {args.cap_gib:g} GiB cap on weights + grads + "
+        "activations (planner search over multiples of 1K; confirmed by one measured step when the "
+        f"global size is <= {args.confirm_max_seq}, longer steps were not run to keep the run short):",
+        "",
+    ]
+    lines += _table(["CP", "options", "max S/rank (plan)", "planned MiB", "measured MiB", "fits"], cap_rows)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
