@@ -93,3 +93,26 @@ def test_eval_lines_cp_matches_one_process_and_resumes(tmp_path):
     assert run_distributed(eval_worker, 2, str(model), str(ring), 2, timeout=120) == [0, 0]
     assert len(part.read_text().splitlines()) == len(lines)
     assert [r["generated"] for r in _results(ring)] == [r["generated"] for r in a]
+
+
+def test_eval_loads_a_lora_adapter_with_its_saved_base_config(tmp_path):
+    """An adapter folder (as the trainer exports it: adapter + the run's base config) loads merged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ringft.evals.lines import load_eval_model
+
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    _save_tiny_model(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(adapter_dir)
+    trained_config = peft_model.get_base_model().config
+    trained_config.rope_parameters = {**trained_config.rope_parameters, "rope_theta": 123456.0}
+    trained_config.save_pretrained(adapter_dir)
+    model = load_eval_model(str(adapter_dir), torch.float32, torch.device("cpu"))
+    assert model.config.rope_parameters["rope_theta"] == 123456.0
+    assert not hasattr(model, "peft_config")  # merged into a plain model
+    ids = torch.randint(1, 100, (1, 12))
+    fresh = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert not torch.allclose(model(ids).logits, fresh(ids).logits)  # the adapter is applied
