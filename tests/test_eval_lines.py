@@ -105,7 +105,9 @@ def test_eval_loads_a_lora_adapter_with_its_saved_base_config(tmp_path):
     base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
     _save_tiny_model(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir)
-    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     peft_model.save_pretrained(adapter_dir)
     trained_config = peft_model.get_base_model().config
     trained_config.rope_parameters = {**trained_config.rope_parameters, "rope_theta": 123456.0}
