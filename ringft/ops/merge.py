@@ -8,7 +8,7 @@ into the attention over the union of the keys:
 
 written in the overflow-free form of seed 000:
 
-    out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
+    out = out_a + sigmoid(lse_b - lse_a) * (out_b - out_a)      (a lerp)
     lse = lse_a - logsigmoid(lse_a - lse_b)
 """
 
@@ -32,5 +32,5 @@ def merge_attention_(
     block_lse = block_lse.to(lse.dtype)
     # Broadcast the (batch, heads, seq) lse against the (batch, seq, heads, dim) output.
     weight_b = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
-    out.sub_(weight_b * (out - block_out.to(out.dtype)))
+    out.lerp_(block_out.to(out.dtype), weight_b)  # out + w * (block_out - out), one temporary
     lse.sub_(F.logsigmoid(lse - block_lse))
