@@ -27,7 +27,7 @@ from torch import nn
 
 from ringft.config import Recipe, RecipeError, validate
 from ringft.data import RingDataCollator
-from ringft.hf import apply_ring_attention
+from ringft.hf import _pretrained, apply_ring_attention
 from ringft.loss import lm_loss_from_hidden
 from ringft.parallel import ParallelLayout, build_layout
 
@@ -48,8 +48,7 @@ class CausalLMLoss(nn.Module):
         self.offload_activations = offload_activations
 
     def _decoder(self) -> nn.Module:
-        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        return inner.model
+        return _pretrained(self.model).model
 
     def forward(self, input_ids, position_ids, shift_labels, num_items_in_batch, **_: Any) -> torch.Tensor:
         # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
