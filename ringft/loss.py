@@ -29,8 +29,14 @@ the valid-token indices (int64) and their fp32 log-sum-exp. Compute: the logits 
 (forward and backward recompute), 4 instead of 3 ``tokens x H x V`` matmuls; ignored tokens
 (prompt masks, padding) are skipped entirely.
 
-Not supported: logit soft-capping / scaling, double backward, and a sharded lm_head weight
-(DeepSpeed ZeRO-3 / FSDP2 DTensor) -- gather it first.
+When ``lm_head`` cannot be read as a plain ``(weight, bias)`` pair -- a weight partitioned by
+DeepSpeed ZeRO-3 or sharded as an FSDP2 DTensor, or a LoRA adapter on ``lm_head`` --
+:func:`lm_loss_from_hidden` calls the module itself on each chunk under non-reentrant activation
+checkpointing instead (:func:`checkpointed_head_loss`): the sharding framework's hooks gather the
+weight and reduce its gradient as for any other module, and the memory bound is the same
+(``O(chunk_size * vocab)``; the chunk's logits are recomputed in the backward).
+
+Not supported: logit soft-capping / scaling, double backward.
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
-__all__ = ["chunked_lm_loss", "lm_loss_from_hidden", "output_projection"]
+__all__ = ["checkpointed_head_loss", "chunked_lm_loss", "lm_loss_from_hidden", "output_projection"]
 
 
 def _as_dtype(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -198,18 +205,75 @@ def chunked_lm_loss(
     return _ChunkedLMLoss.apply(hidden, weight, bias, labels, denom, int(chunk_size), int(ignore_index))
 
 
-def output_projection(model: torch.nn.Module) -> torch.nn.Module:
-    """The output-embedding module (``lm_head``) of a transformers causal LM, peft-wrapped or not.
+def _chunk_ce_sum(head: torch.nn.Module, h: Tensor, targets: Tensor) -> Tensor:
+    logits = head(h)
+    return torch.nn.functional.cross_entropy(
+        logits.to(_acc_dtype(logits.dtype)), targets, reduction="sum"
+    )
 
-    Raises when the module cannot be used as a plain ``(weight, bias)`` projection: a LoRA adapter
-    on ``lm_head`` (its low-rank delta would be dropped), a partitioned weight (DeepSpeed ZeRO-3
-    outside a gather, an FSDP2 DTensor), or a trainable ZeRO-3 weight (its grad would miss the
-    reduce-scatter).
+
+def checkpointed_head_loss(
+    head: torch.nn.Module,
+    hidden: Tensor,
+    labels: Tensor,
+    *,
+    num_items_in_batch: int | Tensor | None = None,
+    chunk_size: int = 4096,
+    ignore_index: int = -100,
+) -> Tensor:
+    """The loss of :func:`chunked_lm_loss`, calling the ``head`` module on each chunk of tokens
+    under non-reentrant :func:`torch.utils.checkpoint.checkpoint` (logits recomputed in backward).
+
+    For heads that are not a plain readable ``(weight, bias)``: ZeRO-3-partitioned or FSDP-sharded
+    weights (their module hooks gather them and reduce-scatter the gradient), LoRA on ``lm_head``.
+    ``hidden`` ``(batch, seq, H)``, ``labels`` pre-shifted ``(batch, seq)``; returns an fp32 scalar
+    (fp64 for fp64 inputs).
+
+    Chunks are windows of ``chunk_size`` token *positions* (the valid tokens in each are gathered),
+    so the module is called ``ceil(batch * seq / chunk_size)`` times, in the forward and again in
+    the backward, however many targets are masked: each call is a collective under ZeRO-3 / FSDP,
+    and every rank must issue the same number. Ranks must therefore hold the same number of local
+    tokens (the trainer pads every batch to ``data.seq_len``).
     """
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be labels.shape {tuple(labels.shape)} + (hidden_size,)"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_y = labels.reshape(-1).to(device=flat_h.device, dtype=torch.long)
+    acc = _acc_dtype(hidden.dtype)
+    # Starts from 0 * sum(hidden[:1]) so that an all-ignored input still returns a graph-connected
+    # zero (every rank must run backward for DDP / ZeRO even when it holds no valid target).
+    total = flat_h[:1].sum().to(acc) * 0
+    n_valid = 0
+    for start in range(0, flat_y.numel(), chunk_size):
+        window = flat_y[start : start + chunk_size]
+        idx = torch.nonzero(window != ignore_index).squeeze(1) + start
+        n_valid += idx.numel()
+        total = total + torch.utils.checkpoint.checkpoint(
+            _chunk_ce_sum, head, flat_h.index_select(0, idx), flat_y.index_select(0, idx), use_reentrant=False
+        )
+    if num_items_in_batch is None:
+        denom = torch.as_tensor(max(1, n_valid))
+    else:
+        denom = torch.as_tensor(num_items_in_batch)
+        if denom.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(denom.shape)}")
+    return total / denom.reshape(()).to(device=hidden.device, dtype=acc)
+
+
+def _head_of(model: torch.nn.Module) -> torch.nn.Module:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embeddings (get_output_embeddings())")
+    return head
+
+
+def _needs_module_call(head: torch.nn.Module) -> str | None:
+    """Why ``head`` cannot be read as a plain ``(weight, bias)`` pair, or None when it can."""
     lora_a = getattr(head, "lora_A", None)
     if (
         lora_a is not None
@@ -217,21 +281,27 @@ def output_projection(model: torch.nn.Module) -> torch.nn.Module:
         and not getattr(head, "disable_adapters", False)
         and not getattr(head, "merged", False)
     ):
-        raise NotImplementedError(
-            "lm_head carries a LoRA adapter; the chunked loss uses lm_head.weight alone and would drop "
-            "the adapter. Leave lm_head out of target_modules (or put it in modules_to_save)"
-        )
+        return "lm_head carries a LoRA adapter"
     weight = head.weight
+    if hasattr(weight, "ds_id"):
+        return "lm_head.weight is a DeepSpeed ZeRO-3 parameter"
     if weight.numel() == 0 or type(weight).__name__ == "DTensor":
-        raise NotImplementedError(
-            "lm_head.weight is sharded (DeepSpeed ZeRO-3 / FSDP2 DTensor) outside the module's forward: "
-            "gather it first (a frozen lm_head: deepspeed.zero.GatheredParameters), or use ZeRO <= 2"
-        )
-    if hasattr(weight, "ds_id") and weight.requires_grad:
-        raise NotImplementedError(
-            "a trainable ZeRO-3 lm_head: its gradient would bypass DeepSpeed's reduce-scatter hooks. "
-            "Freeze it (LoRA) or use ZeRO <= 2 with the chunked loss"
-        )
+        return "lm_head.weight is sharded"
+    return None
+
+
+def output_projection(model: torch.nn.Module) -> torch.nn.Module:
+    """The output-embedding module (``lm_head``) of a transformers causal LM, peft-wrapped or not,
+    checked to be usable as a plain ``(weight, bias)`` projection by :func:`chunked_lm_loss`.
+
+    Raises ``NotImplementedError`` naming the reason (LoRA on ``lm_head``, a ZeRO-3 / sharded weight)
+    otherwise; :func:`lm_loss_from_hidden` handles those by calling the module
+    (:func:`checkpointed_head_loss`).
+    """
+    head = _head_of(model)
+    why = _needs_module_call(head)
+    if why is not None:
+        raise NotImplementedError(f"{why}: use lm_loss_from_hidden / checkpointed_head_loss instead")
     return head
 
 
@@ -243,18 +313,25 @@ def lm_loss_from_hidden(
     chunk_size: int = 4096,
     ignore_index: int = -100,
 ) -> Tensor:
-    """:func:`chunked_lm_loss` with ``model``'s ``lm_head`` (``get_output_embeddings()``).
+    """Chunked loss with ``model``'s ``lm_head`` (``get_output_embeddings()``).
 
     ``hidden`` is the base model's ``last_hidden_state`` ``(batch, seq_local, H)`` and ``labels``
     the pre-shifted ``(batch, seq_local)`` targets, e.g. ``model.model(input_ids,
     position_ids=...).last_hidden_state`` with the collator's ``shift_labels``. Works for
     ``LlamaForCausalLM`` / ``MistralForCausalLM`` and their peft wrappers (tied embeddings too).
+    Uses the fused :func:`chunked_lm_loss` on a plain head, :func:`checkpointed_head_loss` on a
+    ZeRO-3 / sharded / LoRA-adapted one.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(inner, "config", None)
     if getattr(config, "final_logit_softcapping", None):
         raise NotImplementedError("logit soft-capping (final_logit_softcapping) is not supported")
-    head = output_projection(model)
+    head = _head_of(model)
+    if _needs_module_call(head) is not None:
+        return checkpointed_head_loss(
+            head, hidden, labels, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,
+            ignore_index=ignore_index,
+        )
     return chunked_lm_loss(
         hidden,
         head.weight,

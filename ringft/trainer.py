@@ -47,6 +47,11 @@ class CausalLMLoss(nn.Module):
         self.chunked, self.chunk_size = chunked, chunk_size
         self.offload_activations = offload_activations
 
+    @property
+    def config(self):
+        """The model's config (accelerate's DeepSpeed setup sizes its buckets from ``hidden_size``)."""
+        return _pretrained(self.model).config
+
     def _decoder(self) -> nn.Module:
         return _pretrained(self.model).model
 
@@ -238,8 +243,24 @@ class Trainer:
         out = Path(recipe.checkpoint.output_dir)
         tracker = recipe.logging.tracker
         tracker = None if tracker in (None, "none") else tracker
+        from accelerate.utils import InitProcessGroupKwargs
+
+        handlers = []
+        cpu = not torch.cuda.is_available()
+        if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            raise RecipeError(
+                "an FSDP launch config needs GPUs (accelerate runs FSDP only on accelerators; on CPU it "
+                "would silently train without sharding): on CPU use recipes/accelerate/cpu_2proc.yaml, "
+                "or a DeepSpeed ZeRO-3 config (DeepSpeed's CPU accelerator runs on gloo)"
+            )
+        if cpu and _deepspeed_launch():
+            # DeepSpeed without a GPU (its CPU accelerator, e.g. the tests): accelerate's cpu=True
+            # would silently drop DeepSpeed, and cpu=False finds no backend unless one is named.
+            cpu = False
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
         self.accelerator = Accelerator(
-            cpu=not torch.cuda.is_available(),  # without a GPU: gloo on CPU (accelerate's MULTI_CPU)
+            cpu=cpu,  # without a GPU: gloo on CPU (accelerate's MULTI_CPU)
+            kwargs_handlers=handlers,
             log_with=tracker,
             project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         )
@@ -247,18 +268,15 @@ class Trainer:
         validate(recipe, world_size=world)
         from accelerate.utils import DistributedType
 
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise RecipeError(
-                "DeepSpeed launch configs are not supported by ringft's trainer yet: its engine steps "
-                "the optimizer per micro-batch (ringft accumulates itself), needs a dataloader to size "
-                "its micro-batch, and ZeRO-3 partitions the lm_head that the chunked loss reads. Use "
-                "recipes/accelerate/fsdp.yaml (full fine-tuning) or 1node_8gpu.yaml (LoRA) instead"
-            )
+        self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        if self.deepspeed:
+            _configure_deepspeed(self.accelerator, recipe, world)
         self.device = self.accelerator.device
         self.layout = build_layout(recipe.parallel.cp_size, self.device.type)
         torch.manual_seed(recipe.train.seed)
         self.tokenizer = build_tokenizer(recipe)
-        model = build_model(recipe, vocab_size=len(self.tokenizer))
+        with _zero3_init(self.accelerator) if self.deepspeed else contextlib.nullcontext():
+            model = build_model(recipe, vocab_size=len(self.tokenizer))
         if recipe.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         apply_ring_attention(model, self.layout.cp_group, recipe.model.attn_backend)
@@ -301,11 +319,14 @@ class Trainer:
             lr=t.lr,
             betas=tuple(t.betas),
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+        # The learning rate is a pure function of the step (set before each update, see _set_lr):
+        # nothing to checkpoint, and it reaches whatever optimizer DeepSpeed puts in place of this
+        # one (e.g. DeepSpeedCPUAdam under optimizer offload).
+        self.lr_factor = lr_lambda(recipe)
+        self.last_lr = t.lr * self.lr_factor(0)
         wrapped = CausalLMLoss(model, t.chunked_loss, t.loss_chunk_size, t.offload_activations)
-        # The scheduler is stepped by hand (accelerate's wrapper would step it once per process).
+        # Under DeepSpeed, ``self.wrapped`` is its engine (which also owns the optimizer step).
         self.wrapped, self.optimizer = self.accelerator.prepare(wrapped, optimizer)
-        self.accelerator.register_for_checkpointing(self.scheduler)
         self.start_step = 0
         if resume:
             ckpts = complete_checkpoints(out)
@@ -336,6 +357,11 @@ class Trainer:
             dist.all_reduce(value)
         return value
 
+    def _set_lr(self, step: int) -> None:
+        self.last_lr = self.recipe.train.lr * self.lr_factor(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.last_lr
+
     def train_step(self, step: int) -> tuple[float, int]:
         batches = self._micro_batches(step)
         # Valid targets of the whole global step: every CP rank of a replica counted the same
@@ -343,10 +369,16 @@ class Trainer:
         local = torch.tensor(float(sum(int(b["num_items_in_batch"]) for b in batches)), device=self.device)
         global_items = self._all_reduce(local) / self.layout.cp_size
         world = self.layout.world_size
+        self._set_lr(step)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1
-            ctx = self.accelerator.no_sync(self.wrapped) if not sync else contextlib.nullcontext()
+            if self.deepspeed:
+                ctx = contextlib.nullcontext()  # ZeRO reduces every micro-step; the boundary flag below
+            elif not sync:
+                ctx = self.accelerator.no_sync(self.wrapped)
+            else:
+                ctx = contextlib.nullcontext()
             with ctx:
                 loss = self.wrapped(
                     input_ids=batch["input_ids"],
@@ -354,13 +386,23 @@ class Trainer:
                     shift_labels=batch["shift_labels"],
                     num_items_in_batch=global_items,
                 )
-                self.accelerator.backward(loss * world)  # DDP averages over the world
+                if self.deepspeed:
+                    # The engine averages gradients over the world (as DDP) and divides the loss by
+                    # its gradient_accumulation_steps (= train.grad_accum, see _configure_deepspeed);
+                    # it clips and steps at the boundary micro-step only.
+                    engine = self.wrapped
+                    engine.set_gradient_accumulation_boundary(is_boundary=sync)
+                    engine.backward(loss * (world * len(batches)))
+                    if sync:
+                        engine.step()
+                else:
+                    self.accelerator.backward(loss * world)  # DDP averages over the world
             loss_sum += loss.detach().float()
-        if self.recipe.train.grad_clip:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.deepspeed:
+            if self.recipe.train.grad_clip:
+                self.accelerator.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(b["input_ids"].numel() for b in batches) * world
         return float(self._all_reduce(loss_sum)), total_tokens
 
@@ -395,11 +437,12 @@ class Trainer:
         final = Path(self.recipe.checkpoint.output_dir) / "final"
         from accelerate.utils import DistributedType
 
-        # Sharded weights (FSDP) are gathered into a full state dict on every rank first.
+        # Sharded weights (FSDP, ZeRO-3) are gathered into a full state dict first (a collective).
         state = None
-        if self.accelerator.distributed_type == DistributedType.FSDP:
+        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             full = self.accelerator.get_state_dict(self.wrapped)
-            state = {k.removeprefix("model."): v for k, v in full.items()}
+            if full is not None:  # (DeepSpeed returns it on the main process only)
+                state = {k.removeprefix("model."): v for k, v in full.items()}
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(self.wrapped).model
             from ringft.hf import remove_ring_attention
@@ -417,6 +460,14 @@ class Trainer:
             )
         self.accelerator.wait_for_everyone()
         return final
+
+    def _append_metrics(self, row: dict[str, Any]) -> None:
+        """``output_dir/metrics.jsonl``, one line per logged step (main process; with any tracker)."""
+        if self.accelerator.is_main_process:
+            path = Path(self.recipe.checkpoint.output_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -444,15 +495,9 @@ class Trainer:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", peak_gb=f"{peak:.2f}")
             bar.update(1)
             if (step + 1) % self.recipe.logging.log_every == 0:
-                self.accelerator.log(
-                    {
-                        "loss": loss,
-                        "lr": self.scheduler.get_last_lr()[0],
-                        "tokens_per_s": tps,
-                        "peak_mem_gb": peak,
-                    },
-                    step=step + 1,
-                )
+                metrics = {"loss": loss, "lr": self.last_lr, "tokens_per_s": tps, "peak_mem_gb": peak}
+                self.accelerator.log(metrics, step=step + 1)
+                self._append_metrics({"step": step + 1, **metrics})
             _test_hook("step", step + 1)
             if ck.save_every and (step + 1) % ck.save_every == 0 and step + 1 < t.max_steps:
                 self.save_checkpoint(step + 1)
@@ -469,6 +514,56 @@ class Trainer:
                 f"peak {peak_memory_gb(self.device):.2f} GB/rank, model saved to {final}"
             )
         return TrainResult(t.max_steps, losses, str(final), tps)
+
+
+def _deepspeed_launch() -> bool:
+    """Launched with a DeepSpeed accelerate config (``accelerate launch`` sets this variable)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+@contextlib.contextmanager
+def _zero3_init(accelerator):
+    """Build the model under ``deepspeed.zero.Init`` only when the launch config's
+    ``zero3_init_flag`` asks for it. (accelerate registers the ZeRO-3 config with transformers
+    whatever the flag, so transformers would partition at construction anyway.) Without it every
+    rank builds the full model and the engine partitions it: a model built from config then gets
+    exactly the one-process initialisation (under zero.Init its random init differs)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin.is_zero3_init_enabled():
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def _configure_deepspeed(accelerator, recipe: Recipe, world: int) -> None:
+    """Fill the DeepSpeed config from the recipe before ``prepare`` (which has no dataloader here).
+
+    The recipe is the one source of truth for the batch layout and clipping: DeepSpeed's micro batch
+    = ``train.micro_batch_size``, its gradient accumulation = ``train.grad_accum`` (the trainer
+    feeds the micro-steps and marks the boundary), clipping = ``train.grad_clip``. Its
+    ``train_batch_size`` counts every rank (DeepSpeed sees dp x cp ranks as data parallel; the CP
+    ranks of a replica share examples, so that is ``cp`` times the examples actually consumed).
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    cfg = plugin.deepspeed_config
+    t = recipe.train
+    given = cfg.get("gradient_clipping")
+    if given not in (None, "auto") and t.grad_clip and float(given) != float(t.grad_clip):
+        accelerator.print(
+            f"ringft: DeepSpeed config gradient_clipping={given} replaced by the recipe's "
+            f"train.grad_clip={t.grad_clip}"
+        )
+    cfg["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    cfg["gradient_accumulation_steps"] = t.grad_accum
+    cfg["train_batch_size"] = t.micro_batch_size * t.grad_accum * world
+    cfg["gradient_clipping"] = float(t.grad_clip or 0.0)
+    accelerator.gradient_accumulation_steps = t.grad_accum
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:

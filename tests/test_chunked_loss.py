@@ -255,29 +255,77 @@ def test_peft_lora_model_frozen_lm_head():
 
 
 @pytest.mark.timeout(120)
-def test_refuses_lora_on_lm_head():
+def test_lora_on_lm_head_goes_through_the_module():
+    """LoRA on lm_head: the fused path would drop the adapter, so the module is called per chunk
+    (checkpointed_head_loss); loss and LoRA grads equal transformers' own loss (fp32, 1e-6 / 1e-5)."""
     peft = pytest.importorskip("peft")
+    from ringft.loss import output_projection
+
     lora = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make the adapter's contribution non-zero
+            torch.nn.init.normal_(p, std=0.1)
     ids, labels = _batch()
+    n = int((labels != IGNORE).sum())
+    hf = lora(input_ids=ids, labels=labels, shift_labels=labels, num_items_in_batch=n).loss
+    hf.backward()
+    trainable = {k: p for k, p in lora.named_parameters() if p.requires_grad}
+    assert any("lm_head" in k for k in trainable)
+    ref = {k: p.grad.clone() for k, p in trainable.items()}
+    lora.zero_grad(set_to_none=True)
     hidden = lora.get_base_model().model(input_ids=ids).last_hidden_state
+    ours = lm_loss_from_hidden(lora, hidden, labels, n, chunk_size=7)
+    ours.backward()
+    _assert_close(ours, hf, 1e-6)
+    for k, p in trainable.items():
+        _assert_close(p.grad, ref[k], 1e-5)
     with pytest.raises(NotImplementedError, match="LoRA"):
-        lm_loss_from_hidden(lora, hidden, labels)
+        output_projection(lora)
 
 
 @pytest.mark.timeout(120)
-def test_refuses_sharded_or_zero3_trainable_lm_head():
+@pytest.mark.parametrize("chunk_size", [1, 5, 10_000])
+def test_checkpointed_head_loss_matches_plain_head(chunk_size):
+    """The module-call path (what a ZeRO-3 / sharded lm_head takes) == full logits + CE, fp64."""
+    from ringft.loss import checkpointed_head_loss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 37, bias=True).double()
+    h = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 37, (2, 9))
+    labels[0, :4] = IGNORE
+    n = int((labels != IGNORE).sum())
+    ref = torch.nn.functional.cross_entropy(head(h).reshape(-1, 37), labels.reshape(-1), reduction="sum") / n
+    ref_grads = torch.autograd.grad(ref, [h, head.weight, head.bias])
+    ours = checkpointed_head_loss(head, h, labels, chunk_size=chunk_size)
+    grads = torch.autograd.grad(ours, [h, head.weight, head.bias])
+    _assert_close(ours, ref, 1e-12)
+    for g, r in zip(grads, ref_grads):
+        _assert_close(g, r, 1e-12)
+    # All targets ignored: a graph-connected zero (every rank must be able to run backward).
+    zero = checkpointed_head_loss(head, h, torch.full_like(labels, IGNORE), num_items_in_batch=5)
+    assert zero.item() == 0.0 and zero.requires_grad
+
+
+@pytest.mark.timeout(120)
+def test_zero3_or_sharded_lm_head_goes_through_the_module():
+    """A ZeRO-3 parameter (ds_id) or a sharded weight is never read directly: lm_loss_from_hidden
+    calls the module (whose hooks would gather it); output_projection names the reason."""
+    from ringft.loss import output_projection
+
     model = _tiny_llama()
     ids, labels = _batch()
     hidden = model.model(input_ids=ids).last_hidden_state
+    plain = lm_loss_from_hidden(model, hidden, labels)
     model.lm_head.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its parameters with
     with pytest.raises(NotImplementedError, match="ZeRO-3"):
-        lm_loss_from_hidden(model, hidden, labels)
-    model.lm_head.weight.requires_grad_(False)  # frozen and gathered (e.g. LoRA): fine
-    assert torch.isfinite(lm_loss_from_hidden(model, hidden, labels))
+        output_projection(model)
+    _assert_close(lm_loss_from_hidden(model, hidden, labels, chunk_size=5), plain, 1e-6)
+    del model.lm_head.weight.ds_id
     full = model.lm_head.weight.data
     model.lm_head.weight.data = torch.empty(0)  # partitioned outside a gather
     with pytest.raises(NotImplementedError, match="sharded"):
-        lm_loss_from_hidden(model, hidden, labels)
+        output_projection(model)
     model.lm_head.weight.data = full
 
 

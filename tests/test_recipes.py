@@ -294,8 +294,8 @@ def _run_wrapper(root: Path, name: str, *args: str, dry: bool = True, **env: str
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("model_dir,config", [("llama3_8b_512k", "fsdp.yaml"),
-                                              ("mistral_7b_512k", "fsdp.yaml")])
+@pytest.mark.parametrize("model_dir,config", [("llama3_8b_512k", "deepspeed_zero3.yaml"),
+                                              ("mistral_7b_512k", "deepspeed_zero3.yaml")])
 def test_wrapper_runs_stages_in_order(model_dir, config, tmp_path):
     root = _copy_recipes(tmp_path)
     out = _run_wrapper(root, f"{model_dir}/run.sh", "--train.max_steps", "3")

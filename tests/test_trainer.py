@@ -483,3 +483,20 @@ def test_cli_bad_recipe_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("ringft train: error:") and "train.learning_rate" in lines[0]
     assert proc.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_fsdp_launch_without_gpu_is_refused_not_silently_dropped(tmp_path):
+    """accelerate runs FSDP only on accelerators: without a GPU an FSDP launch config must fail
+    with a clear error instead of training unsharded (what accelerate's cpu=True would do)."""
+    import yaml
+
+    recipe = tmp_path / "ok.yaml"
+    recipe.write_text(yaml.safe_dump(_valid(tmp_path)))
+    env = dict(os.environ, ACCELERATE_USE_FSDP="true")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringft", "train", str(recipe)], cwd=REPO, capture_output=True, text=True,
+        timeout=100, env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "FSDP launch config needs GPUs" in proc.stderr and "cpu_2proc.yaml" in proc.stderr

@@ -22,6 +22,6 @@ RECIPES=(
     recipes/mistral_7b_512k/stage3_256k.yaml
     recipes/mistral_7b_512k/stage4_512k.yaml
 )
-DEFAULT_CONFIG=recipes/accelerate/fsdp.yaml  # DeepSpeed is refused by the trainer for now (see recipes/README.md)
+DEFAULT_CONFIG=recipes/accelerate/deepspeed_zero3.yaml  # ZeRO-3 (tested); fsdp.yaml: see recipes/README.md
 LAYER_CLS=MistralDecoderLayer
 run_stages "$@"
