@@ -324,6 +324,7 @@ class Trainer:
         # one (e.g. DeepSpeedCPUAdam under optimizer offload).
         self.lr_factor = lr_lambda(recipe)
         self.last_lr = t.lr * self.lr_factor(0)
+        self.last_grad_norm: float | None = None  # before clipping; logged when known
         wrapped = CausalLMLoss(model, t.chunked_loss, t.loss_chunk_size, t.offload_activations)
         # Under DeepSpeed, ``self.wrapped`` is its engine (which also owns the optimizer step).
         self.wrapped, self.optimizer = self.accelerator.prepare(wrapped, optimizer)
@@ -395,12 +396,16 @@ class Trainer:
                     engine.backward(loss * (world * len(batches)))
                     if sync:
                         engine.step()
+                        self.last_grad_norm = _as_float(engine.get_global_grad_norm())
                 else:
                     self.accelerator.backward(loss * world)  # DDP averages over the world
             loss_sum += loss.detach().float()
         if not self.deepspeed:
             if self.recipe.train.grad_clip:
-                self.accelerator.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip)
+                # The prepared module's parameters: under FSDP accelerate then clips with the global norm.
+                clip = self.recipe.train.grad_clip
+                norm = self.accelerator.clip_grad_norm_(self.wrapped.parameters(), clip)
+                self.last_grad_norm = _as_float(norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(b["input_ids"].numel() for b in batches) * world
@@ -496,6 +501,8 @@ class Trainer:
             bar.update(1)
             if (step + 1) % self.recipe.logging.log_every == 0:
                 metrics = {"loss": loss, "lr": self.last_lr, "tokens_per_s": tps, "peak_mem_gb": peak}
+                if self.last_grad_norm is not None:
+                    metrics["grad_norm"] = self.last_grad_norm
                 self.accelerator.log(metrics, step=step + 1)
                 self._append_metrics({"step": step + 1, **metrics})
             _test_hook("step", step + 1)
@@ -514,6 +521,12 @@ class Trainer:
                 f"peak {peak_memory_gb(self.device):.2f} GB/rank, model saved to {final}"
             )
         return TrainResult(t.max_steps, losses, str(final), tps)
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value.item() if torch.is_tensor(value) else value)
 
 
 def _deepspeed_launch() -> bool:

@@ -75,9 +75,9 @@ def _launch(tmp_path: Path, launch_config: Path, raw: dict, *extra: str) -> None
     assert "ringft: " in proc.stdout, proc.stdout[-3000:]
 
 
-def _losses(output_dir: Path) -> list[float]:
+def _losses(output_dir: Path, key: str = "loss") -> list[float]:
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows]
+    return [r[key] for r in rows]
 
 
 def _reference(tmp_path: Path, data: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -106,6 +106,8 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path):  # noqa: F8
     _launch(tmp_path, launch, _zero3_recipe(out, data_path))
     losses = _losses(out)
     assert losses == pytest.approx(ref_losses, abs=LOSS_ATOL)
+    # DeepSpeed's global gradient norm (what it clips with) == the one-process norm.
+    assert _losses(out, "grad_norm") == pytest.approx(_losses(tmp_path / "one", "grad_norm"), rel=1e-5)
     weights = final_weights(out)
     assert_weights_close(weights, ref_weights, WEIGHT_ATOL)
     step2 = out / "checkpoints" / "step-00000002"

@@ -1,0 +1,104 @@
+"""Largest trainable sequence per GPU on 80 GB H100s, predicted by ``ringft.planner``.
+
+Not a measurement: the planner's prediction for a Llama-3.2-1B- and a Llama-3-8B-shaped model,
+full fine-tuning and LoRA, with ringft's memory options switched on one after the other, on one
+GPU and on one node of 8 GPUs (the ring over all 8: cp = 8). The planner was checked against
+measured peaks on an H100 at 32K tokens (-0.5 % .. -2.2 %, see RESULTS.md) and on CPU
+(-1.7 % .. +5.7 %); at the lengths below the dominant terms (checkpointed layer inputs, the MLP
+working set) are the same per-token terms, extrapolated linearly. The host memory that the
+offload rows need is printed too (per GPU).
+
+Run: ``python benchmarks/plan_capacity.py [--gpu-mem 79.6] [--out RESULTS.md]`` (a second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ringft without installing
+
+from ringft.planner import GIB, max_seq_len_that_fits, plan_memory  # noqa: E402
+
+MODELS = ["llama-3.2-1b", "llama-3-8b"]
+# Cumulative option sets. "ckpt" = per-layer gradient checkpointing, on in every row (without it
+# nothing long fits); the first row is what a plain Hugging Face training step keeps: full logits.
+LADDER: list[tuple[str, dict[str, Any]]] = [
+    ("ckpt, full logits (HF default loss)", {"chunked_loss": False}),
+    ("+ chunked loss", {}),
+    ("+ tiled MLP", {"tiled_mlp": True}),
+    ("+ activation offload", {"tiled_mlp": True, "offload_activations": True}),
+    (
+        "+ optimizer & param offload (ZeRO-3)",
+        {"tiled_mlp": True, "offload_activations": True, "offload_optimizer": True, "offload_params": True},
+    ),
+]
+
+
+def _options(mode: str, extra: dict[str, Any]) -> dict[str, Any]:
+    opts: dict[str, Any] = {"zero_stage": 3, "gradient_checkpointing": True, **extra}
+    if mode == "LoRA":
+        opts["lora"] = True  # r16 on all linear layers (the planner's default targets)
+    return opts
+
+
+def _k(tokens: int) -> str:
+    if tokens == 0:
+        return "0"
+    return f"{tokens / 1e6:.2f}M" if tokens >= 1_000_000 else f"{tokens // 1024}K"
+
+
+def capacity_rows(gpu_mem: float) -> list[dict[str, Any]]:
+    rows = []
+    for model in MODELS:
+        for mode in ("full", "LoRA"):
+            for name, extra in LADDER:
+                opts = _options(mode, extra)
+                one = max_seq_len_that_fits(model, 1, gpu_mem, cp_size=1, **opts)
+                node = max_seq_len_that_fits(model, 8, gpu_mem, cp_size=8, **opts)
+                host = 0.0
+                if one:
+                    host = plan_memory(model, one, 1, gpu_mem, cp_size=1, **opts).cpu_offloaded / GIB
+                rows.append({"model": model, "mode": mode, "options": name, "one_gpu": one,
+                             "one_gpu_host_gib": host, "node_cp8": node})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], gpu_mem: float) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    out = [
+        f"Command: `python benchmarks/plan_capacity.py --gpu-mem {gpu_mem}` ({now}). Planner settings:",
+        "bf16 weights with fp32 master weights and Adam states (full) / fp32 LoRA r16 adapters on all",
+        "linear layers (LoRA); ZeRO-3 over the GPUs of the run (on one GPU: no sharding; the last row",
+        "is ZeRO-3 offload, which also works on one GPU); micro-batch 1; flash-attn backend; 3 GiB",
+        "framework overhead; loss chunk 4096 tokens; MLP tile = hidden size tokens.",
+        "",
+        "| model | mode | options (cumulative) | 1 GPU: max tokens | host GiB (1 GPU) | 8 GPUs, cp 8: max tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        host = f"{r['one_gpu_host_gib']:.1f}" if r["one_gpu_host_gib"] else "-"
+        out.append(
+            f"| {r['model']} | {r['mode']} | {r['options']} | {_k(r['one_gpu'])} | {host} | {_k(r['node_cp8'])} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpu-mem", type=float, default=79.6, help="GiB per GPU (an 80 GB H100: ~79.6)")
+    p.add_argument("--out", default=None, help="append the table to this file")
+    args = p.parse_args(argv)
+    text = markdown(capacity_rows(args.gpu_mem), args.gpu_mem)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
