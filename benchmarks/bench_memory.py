@@ -1,8 +1,9 @@
 """Training-step memory and speed on CPU with ringft's memory options, measured vs planned.
 
-For a small LLaMA (fp32) one training step (forward + backward, no optimizer) is run per
-(option set, sequence length, CP size) in gloo processes (``ringft.testing.run_distributed``; one
-process for CP = 1, two for CP = 2, 1 thread each). Option sets are cumulative:
+For a small LLaMA (fp32, or bf16 with ``--dtype bf16``) one training step (forward + backward, no
+optimizer) is run per (option set, sequence length, CP size) in gloo processes
+(``ringft.testing.run_distributed``; one process for CP = 1, two for CP = 2, 1 thread each).
+Option sets are cumulative:
 
 - ``baseline``: full logits (transformers' loss), no checkpointing;
 - ``chunked``: ``ringft.loss`` chunked lm_head + cross-entropy;
@@ -13,16 +14,22 @@ process for CP = 1, two for CP = 2, 1 thread each). Option sets are cumulative:
 
 Memory: the rise of the process's resident set during the step. Before each step the kernel's
 high-water mark is reset to the current RSS (``echo 5 > /proc/self/clear_refs``) and that RSS is
-the baseline (model weights and zero-filled fp32 grads, pre-allocated and kept between steps as
+the baseline (model weights and zero-filled grads in the model dtype, pre-allocated and kept between steps as
 DDP's buckets keep them); the peak is ``VmHWM`` after the step minus the baseline: the step's
 activations and transients. ``MALLOC_MMAP_THRESHOLD_`` is set in
 the measured processes so that freed large buffers go back to the OS (glibc otherwise keeps them
-in its heap and RSS never falls between steps). The planner (``ringft.planner``, ``dtype="fp32"``,
-no overhead constant) is compared with ``checkpointed + max(layer, loss working set)`` (+ the
+in its heap and RSS never falls between steps). The planner (``ringft.planner``, ``dtype`` as
+measured, no overhead constant) is compared with ``checkpointed + max(layer, loss working set)`` (+ the
 activations it counts as offloaded, since on CPU they stay in RSS): the step has no optimizer and
 weights and grads are in the baseline.
 
-Run: ``python benchmarks/bench_memory.py`` (about 6-8 minutes on 2 cores).
+With ``--dtype bf16`` the model's weights and grads are bf16 (no fp32 master copy: the step has
+no optimizer) and the planner is asked for ``dtype="bf16"``; its activation terms then use 2-byte
+values, with the fp32 parts it models (RMSNorm's upcast, attention lse, loss logits) kept at 4 B.
+
+Run: ``python benchmarks/bench_memory.py`` (about 6-8 minutes on 2 cores). ``--configs`` picks
+option sets, ``--max-plan-gib`` skips sweep steps whose planned per-process total (weights + grads
++ activations) is larger (listed under the table), ``--no-search`` / ``--no-sweep`` run one part.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import argparse
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -56,6 +64,7 @@ MODEL: dict[str, Any] = {
 }
 LOSS_CHUNK = 512
 TILE_TOKENS = 1024
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONFIGS: dict[str, dict[str, bool]] = {
     "baseline": {"chunked": False, "ckpt": False, "offload": False, "tiled": False},
     "chunked": {"chunked": True, "ckpt": False, "offload": False, "tiled": False},
@@ -80,11 +89,12 @@ def _reset_peak() -> int:
     return _status_kib("VmRSS") * 1024
 
 
-def _build_model() -> torch.nn.Module:
+def _build_model(dtype: str = "fp32") -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="sdpa"))
+    model.to(DTYPES[dtype])  # weights (and hence grads and activations) in the model dtype
     model.config.use_cache = False
     return model.train()
 
@@ -125,11 +135,13 @@ def _step(model: torch.nn.Module, seq: int, rank: int, world: int, opts: dict[st
     return elapsed
 
 
-def measure_worker(rank: int, world: int, jobs: list[tuple[str, int]]) -> list[dict[str, Any]]:
+def measure_worker(
+    rank: int, world: int, jobs: list[tuple[str, int]], dtype: str = "fp32"
+) -> list[dict[str, Any]]:
     """Run each ``(config, global seq)`` step in this process; per-step RSS rise and time."""
     from ringft import apply_ring_attention
 
-    model = apply_ring_attention(_build_model())
+    model = apply_ring_attention(_build_model(dtype))
     for param in model.parameters():  # resident grads (DDP buckets keep them): part of the baseline
         param.grad = torch.zeros_like(param)
     _set_options(model, CONFIGS["+tiled"])
@@ -144,10 +156,13 @@ def measure_worker(rank: int, world: int, jobs: list[tuple[str, int]]) -> list[d
         seconds = _step(model, seq, rank, world, opts)
         peak = _status_kib("VmHWM") * 1024 - base
         out.append({"config": name, "seq": seq, "peak": peak, "seconds": seconds, "base": base})
+        if rank == 0:  # progress (steps can take minutes)
+            msg = f"  rank 0: {name} S={seq}: {seconds:.0f} s, peak {peak / MIB:.0f} MiB"
+            print(msg, file=sys.stderr, flush=True)
     return out
 
 
-def planned(seq: int, cp: int, opts: dict[str, bool], cap_gib: float = 1.0) -> int:
+def planned(seq: int, cp: int, opts: dict[str, bool], dtype: str = "fp32", cap_gib: float = 1.0) -> int:
     """Planner's bytes for what the measurement sees: activations (incl. the CPU-offloaded ones)."""
     from ringft.planner import plan_memory
 
@@ -157,7 +172,7 @@ def planned(seq: int, cp: int, opts: dict[str, bool], cap_gib: float = 1.0) -> i
         cp,
         cap_gib,
         cp_size=cp,
-        dtype="fp32",
+        dtype=dtype,
         gradient_checkpointing=opts["ckpt"],
         offload_activations=opts["offload"],
         chunked_loss=opts["chunked"],
@@ -170,27 +185,28 @@ def planned(seq: int, cp: int, opts: dict[str, bool], cap_gib: float = 1.0) -> i
     return plan.checkpointed_activations + working + plan.cpu_offloaded
 
 
-def weight_bytes() -> int:
-    """fp32 weights + resident fp32 grads."""
+def weight_bytes(dtype: str = "fp32") -> int:
+    """Weights + resident grads, both in the model dtype (no optimizer, so no fp32 master copy)."""
     from ringft.planner import load_model_shape
 
-    return 8 * load_model_shape(MODEL | {"model_type": "llama"}).total_params
+    per_param = 2 * DTYPES[dtype].itemsize
+    return per_param * load_model_shape(MODEL | {"model_type": "llama"}).total_params
 
 
-def max_local_seq(cp: int, opts: dict[str, bool], cap: int, limit_k: int = 256) -> int:
+def max_local_seq(cp: int, opts: dict[str, bool], cap: int, dtype: str = "fp32", limit_k: int = 256) -> int:
     """Largest per-rank sequence (multiple of 1K) with planned weights + grads + activations <= cap."""
     best = 0
     for k in range(1, limit_k + 1):
-        if weight_bytes() + planned(k * 1024 * cp, cp, opts) > cap:
+        if weight_bytes(dtype) + planned(k * 1024 * cp, cp, opts, dtype) > cap:
             break
         best = k * 1024
     return best
 
 
-def _run(cp: int, jobs: list[tuple[str, int]], timeout: float) -> list[list[dict[str, Any]]]:
+def _run(cp: int, jobs: list[tuple[str, int]], dtype: str, timeout: float) -> list[list[dict[str, Any]]]:
     from ringft.testing import run_distributed
 
-    return run_distributed(measure_worker, cp, jobs, timeout=timeout)
+    return run_distributed(measure_worker, cp, jobs, dtype, timeout=timeout)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -199,30 +215,64 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _err_range(errs: list[float]) -> str:
+    return f"{min(errs):+.1f} % .. {max(errs):+.1f} %" if errs else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", default="1024,2048,4096", help="global sequence lengths")
     p.add_argument("--cp", default="1,2")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="model weights/grads/activations")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"option sets, from {','.join(CONFIGS)}")
+    p.add_argument(
+        "--max-plan-gib",
+        type=float,
+        default=None,
+        help="skip sweep steps whose planned weights + grads + activations per process exceed this",
+    )
     p.add_argument("--cap-gib", type=float, default=0.75, help="memory cap for the largest-sequence search")
     p.add_argument("--confirm-max-seq", type=int, default=4096, help="measure found sizes up to this")
     p.add_argument("--no-sweep", action="store_true", help="only the largest-sequence search")
+    p.add_argument("--no-search", action="store_true", help="only the sweep")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per group of measured processes")
     p.add_argument("--out", default=None, help="append the markdown section to this file")
     args = p.parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned measured processes
     seqs = [int(s) for s in args.seqs.split(",")]
     cps = [int(c) for c in args.cp.split(",")]
+    names = [c.strip() for c in args.configs.split(",")]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        p.error(f"unknown --configs {unknown}; known: {list(CONFIGS)}")
+    dtype = args.dtype
+    wbytes = weight_bytes(dtype)
     t_start = time.time()
     rows: list[list[str]] = []
+    errs: list[float] = []
+    skipped: list[str] = []
+    cp_seconds: dict[int, float] = {}
     for cp in [] if args.no_sweep else cps:
-        jobs = [(name, s) for name in CONFIGS for s in seqs]
+        jobs = []
+        for name in names:
+            for s in seqs:
+                total = wbytes + planned(s, cp, CONFIGS[name], dtype)
+                if args.max_plan_gib is not None and total > args.max_plan_gib * GIB:
+                    skipped.append(f"CP={cp} {name} S={s} (plan {total / GIB:.1f} GiB per process)")
+                else:
+                    jobs.append((name, s))
+        if not jobs:
+            continue
         t0 = time.time()
-        per_rank = _run(cp, jobs, timeout=900)
-        print(f"CP={cp}: {time.time() - t0:.0f} s", flush=True)
+        per_rank = _run(cp, jobs, dtype, timeout=args.timeout)
+        cp_seconds[cp] = time.time() - t0
+        print(f"CP={cp}: {cp_seconds[cp]:.0f} s", flush=True)
         for i, (name, seq) in enumerate(jobs):
             peak = max(r[i]["peak"] for r in per_rank)
             sec = max(r[i]["seconds"] for r in per_rank)
-            plan = planned(seq, cp, CONFIGS[name])
+            plan = planned(seq, cp, CONFIGS[name], dtype)
             err = 100 * (plan - peak) / peak
+            errs.append(err)
             note = " (same RSS on CPU)" if name == "+offload" else ""
             rows.append(
                 [
@@ -238,45 +288,65 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(rows[-1], flush=True)
     cap = int(args.cap_gib * GIB)
-    wbytes = weight_bytes()
     cap_rows: list[list[str]] = []
-    confirm: dict[int, list[tuple[str, int]]] = {cp: [] for cp in cps}
-    found: dict[tuple[int, str], int] = {}
-    for cp in cps:
-        for name, opts in CONFIGS.items():
-            local = max_local_seq(cp, opts, cap)
-            found[(cp, name)] = local
-            # +offload is +ckpt on CPU (the same RSS): not confirmed separately
-            if 0 < local and local * cp <= args.confirm_max_seq and name != "+offload":
-                confirm[cp].append((name, local * cp))
-    measured_cap: dict[tuple[int, str], int] = {}
-    for cp in cps:
-        if confirm[cp]:
-            per_rank = _run(cp, confirm[cp], timeout=900)
-            for i, (name, _seq) in enumerate(confirm[cp]):
-                measured_cap[(cp, name)] = max(r[i]["peak"] for r in per_rank)
-    for cp in cps:
-        for name in CONFIGS:
-            local = found[(cp, name)]
-            m = measured_cap.get((cp, name))
-            plan = wbytes + planned(local * cp, cp, CONFIGS[name]) if local else 0
-            meas = f"{(wbytes + m) / MIB:.0f}" if m is not None else "not run"
-            fits = ("yes" if wbytes + m <= cap else "NO") if m is not None else "-"
-            shown = str(local) if local else "< 1024"
-            cap_rows.append([str(cp), name, shown, f"{plan / MIB:.0f}" if local else "-", meas, fits])
+    cap_errs: list[float] = []
+    if not args.no_search:
+        confirm: dict[int, list[tuple[str, int]]] = {cp: [] for cp in cps}
+        found: dict[tuple[int, str], int] = {}
+        for cp in cps:
+            for name in names:
+                local = max_local_seq(cp, CONFIGS[name], cap, dtype)
+                found[(cp, name)] = local
+                # +offload is +ckpt on CPU (the same RSS): not confirmed separately
+                if 0 < local and local * cp <= args.confirm_max_seq and name != "+offload":
+                    confirm[cp].append((name, local * cp))
+        measured_cap: dict[tuple[int, str], int] = {}
+        for cp in cps:
+            if confirm[cp]:
+                t0 = time.time()
+                per_rank = _run(cp, confirm[cp], dtype, timeout=args.timeout)
+                print(f"search confirmations CP={cp}: {time.time() - t0:.0f} s", flush=True)
+                for i, (name, _seq) in enumerate(confirm[cp]):
+                    measured_cap[(cp, name)] = max(r[i]["peak"] for r in per_rank)
+        for cp in cps:
+            for name in names:
+                local = found[(cp, name)]
+                m = measured_cap.get((cp, name))
+                plan = wbytes + planned(local * cp, cp, CONFIGS[name], dtype) if local else 0
+                meas = f"{(wbytes + m) / MIB:.0f}" if m is not None else "not run"
+                fits = ("yes" if wbytes + m <= cap else "NO") if m is not None else "-"
+                if m is not None:
+                    cap_errs.append(100 * (plan - wbytes - m) / m)
+                shown = str(local) if local else "< 1024"
+                cap_rows.append(
+                    [
+                        str(cp),
+                        name,
+                        shown,
+                        str(local * cp) if local else "-",
+                        f"{plan / MIB:.0f}" if local else "-",
+                        meas,
+                        fits,
+                    ]
+                )
     total_s = time.time() - t_start
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     cpu_model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?")
+    import transformers
+
+    cmd_args = sys.argv[1:] if argv is None else argv
+    sweep_s = ", ".join(f"CP={c} sweep {s:.0f} s" for c, s in cp_seconds.items())
     lines = [
         "",
-        "## Training memory on CPU (bench_memory.py)",
+        f"## Training memory on CPU, {dtype} (bench_memory.py)",
         "",
-        f"Command: `python benchmarks/bench_memory.py --seqs {args.seqs} --cp {args.cp} "
-        f"--cap-gib {args.cap_gib}`  ",
+        f"Command: `python benchmarks/bench_memory.py {shlex.join(cmd_args)}`  ",
         f"Machine: {cpu_model}, {os.cpu_count()} cores (shared with other jobs), {platform.platform()}; "
-        f"torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-        f"run time {total_s:.0f} s.  ",
-        f"Model: LLaMA fp32, hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (end); "
+        f"run time {total_s:.0f} s" + (f" ({sweep_s})" if sweep_s else "") + ".  ",
+        f'Model: LLaMA **{dtype}** (weights and grads {dtype}, planner `dtype="{dtype}"`), hidden '
+        f"{MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, "
         f"{MODEL['num_attention_heads']} heads / {MODEL['num_key_value_heads']} kv, intermediate "
         f"{MODEL['intermediate_size']}, vocab {MODEL['vocab_size']} (untied): {wbytes / 2 / MIB:.0f} MiB of "
         f"weights (+ the same in resident grads). One sequence per step, fwd + bwd (no optimizer), "
@@ -292,10 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens / wall time of the step (slowest rank).",
         "",
     ]
-    lines += (
-        []
-        if args.no_sweep
-        else _table(
+    if not args.no_sweep:
+        lines += _table(
             [
                 "CP",
                 "options (cumulative)",
@@ -308,15 +376,27 @@ def main(argv: list[str] | None = None) -> int:
             ],
             rows,
         )
-    )
-    lines += [
-        "",
-        f"Largest sequence per rank that fits a {args.cap_gib:g} GiB cap on weights + grads + "
-        "activations (planner search over multiples of 1K; confirmed by one measured step when the "
-        f"global size is <= {args.confirm_max_seq}, longer steps were not run to keep the run short):",
-        "",
-    ]
-    lines += _table(["CP", "options", "max S/rank (plan)", "planned MiB", "measured MiB", "fits"], cap_rows)
+        lines += ["", f"Plan error range ({dtype} sweep): {_err_range(errs)}."]
+        if skipped:
+            lines += [
+                "",
+                f"Skipped (planned weights + grads + activations above --max-plan-gib {args.max_plan_gib:g} "
+                "per process): " + "; ".join(skipped) + ".",
+            ]
+    if not args.no_search:
+        lines += [
+            "",
+            f"Largest sequence per rank that fits a {args.cap_gib:g} GiB cap on {dtype} weights + grads + "
+            "activations (planner search over multiples of 1K; confirmed by one measured step when the "
+            f"global size is <= {args.confirm_max_seq}, longer steps were not run to keep the run short; "
+            f"measured = {wbytes / MIB:.0f} MiB weights + grads + the measured peak rise):",
+            "",
+        ]
+        lines += _table(
+            ["CP", "options", "max S/rank (plan)", "S global", "planned MiB", "measured MiB", "fits"],
+            cap_rows,
+        )
+        lines += ["", f"Plan error range (confirmed {dtype} sizes, activations): {_err_range(cap_errs)}."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

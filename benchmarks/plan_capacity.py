@@ -76,14 +76,14 @@ def markdown(rows: list[dict[str, Any]], gpu_mem: float) -> str:
         "is ZeRO-3 offload, which also works on one GPU); micro-batch 1; flash-attn backend; 3 GiB",
         "framework overhead; loss chunk 4096 tokens; MLP tile = hidden size tokens.",
         "",
-        "| model | mode | options (cumulative) | 1 GPU: max tokens | host GiB (1 GPU) | 8 GPUs, cp 8: max tokens |",
+        "| model | mode | options (cumulative) | 1 GPU: max tokens | host GiB (1 GPU) "
+        "| 8 GPUs, cp 8: max tokens |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         host = f"{r['one_gpu_host_gib']:.1f}" if r["one_gpu_host_gib"] else "-"
-        out.append(
-            f"| {r['model']} | {r['mode']} | {r['options']} | {_k(r['one_gpu'])} | {host} | {_k(r['node_cp8'])} |"
-        )
+        cells = [r["model"], r["mode"], r["options"], _k(r["one_gpu"]), host, _k(r["node_cp8"])]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
