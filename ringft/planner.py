@@ -648,6 +648,9 @@ def _loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     # to the fp32 accumulator): measured, bf16 full fine-tuning peaks were exactly ``a*V*h`` above
     # the plan without this term (CPU bench_memory --dtype bf16: 27-31 MiB at V=32000, h=512;
     # H100 Llama-3-8B: -1.8 %, ~1 GiB). fp32 accumulates in place (addmm_): no such product.
+    # On CPU the in-place add of that bf16 product into the fp32 accumulator also materialises an
+    # fp32 copy (4*V*h) next to the chunk's a*c*V grad: where 4*V*h > 4*c*V this plan is low on CPU
+    # (measured: V=8192, h=512, c=256, T=1024: 45 MiB vs 37 planned); GPU kernels cast on the fly.
     backward = (4 + low) * c * v + a * t * h + head_grad + low * v * h * trains
     return {
         "final_norm": final_norm,
