@@ -153,6 +153,25 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
+def _check_chunking(hidden: Tensor, labels: Tensor, chunk_size: int) -> None:
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be labels.shape {tuple(labels.shape)} + (hidden_size,)"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _given_denominator(num_items_in_batch: int | Tensor | None) -> Tensor | None:
+    """``num_items_in_batch`` as a 0-d tensor (checked to be a scalar), or None when not given."""
+    if num_items_in_batch is None:
+        return None
+    denom = torch.as_tensor(num_items_in_batch)
+    if denom.numel() != 1:
+        raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(denom.shape)}")
+    return denom.reshape(())
+
+
 def chunked_lm_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -183,24 +202,16 @@ def chunked_lm_loss(
         scalar ``sum_t CE_t / num_items_in_batch``, fp32 (fp64 for fp64 inputs). Not twice
         differentiable.
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} must be labels.shape {tuple(labels.shape)} + (hidden_size,)"
-        )
+    _check_chunking(hidden, labels, chunk_size)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be (vocab, {hidden.shape[-1]}), got {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if num_items_in_batch is None:
+    denom = _given_denominator(num_items_in_batch)
+    if denom is None:
         denom = (labels != ignore_index).sum().clamp_min(1)
-    else:
-        denom = torch.as_tensor(num_items_in_batch)
-        if denom.numel() != 1:
-            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(denom.shape)}")
     denom = denom.reshape(()).to(device=hidden.device, dtype=torch.float32)
     return _ChunkedLMLoss.apply(hidden, weight, bias, labels, denom, int(chunk_size), int(ignore_index))
 
@@ -235,12 +246,7 @@ def checkpointed_head_loss(
     and every rank must issue the same number. Ranks must therefore hold the same number of local
     tokens (the trainer pads every batch to ``data.seq_len``).
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} must be labels.shape {tuple(labels.shape)} + (hidden_size,)"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_chunking(hidden, labels, chunk_size)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1).to(device=flat_h.device, dtype=torch.long)
     acc = _acc_dtype(hidden.dtype)
@@ -255,17 +261,19 @@ def checkpointed_head_loss(
         total = total + torch.utils.checkpoint.checkpoint(
             _chunk_ce_sum, head, flat_h.index_select(0, idx), flat_y.index_select(0, idx), use_reentrant=False
         )
-    if num_items_in_batch is None:
+    denom = _given_denominator(num_items_in_batch)
+    if denom is None:
         denom = torch.as_tensor(max(1, n_valid))
-    else:
-        denom = torch.as_tensor(num_items_in_batch)
-        if denom.numel() != 1:
-            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(denom.shape)}")
     return total / denom.reshape(()).to(device=hidden.device, dtype=acc)
 
 
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (or ``model`` itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _head_of(model: torch.nn.Module) -> torch.nn.Module:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = _base_model(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embeddings (get_output_embeddings())")
@@ -322,8 +330,7 @@ def lm_loss_from_hidden(
     Uses the fused :func:`chunked_lm_loss` on a plain head, :func:`checkpointed_head_loss` on a
     ZeRO-3 / sharded / LoRA-adapted one.
     """
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(inner, "config", None)
+    config = getattr(_base_model(model), "config", None)
     if getattr(config, "final_logit_softcapping", None):
         raise NotImplementedError("logit soft-capping (final_logit_softcapping) is not supported")
     head = _head_of(model)

@@ -374,12 +374,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1
-            if self.deepspeed:
-                ctx = contextlib.nullcontext()  # ZeRO reduces every micro-step; the boundary flag below
-            elif not sync:
-                ctx = self.accelerator.no_sync(self.wrapped)
-            else:
-                ctx = contextlib.nullcontext()
+            # DDP skips the gradient all-reduce until the last micro-step; ZeRO reduces every
+            # micro-step (no no_sync there) and is told the boundary below.
+            skip_sync = not sync and not self.deepspeed
+            ctx = self.accelerator.no_sync(self.wrapped) if skip_sync else contextlib.nullcontext()
             with ctx:
                 loss = self.wrapped(
                     input_ids=batch["input_ids"],

@@ -75,7 +75,8 @@ def _launch(tmp_path: Path, launch_config: Path, raw: dict, *extra: str) -> None
     assert "ringft: " in proc.stdout, proc.stdout[-3000:]
 
 
-def _losses(output_dir: Path, key: str = "loss") -> list[float]:
+def _metric(output_dir: Path, key: str = "loss") -> list[float]:
+    """One column of the run's metrics.jsonl, in step order."""
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in rows]
 
@@ -104,10 +105,10 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path):  # noqa: F8
     launch = _launch_config(tmp_path, "deepspeed_zero3.yaml", 4)
     out = tmp_path / "zero3"
     _launch(tmp_path, launch, _zero3_recipe(out, data_path))
-    losses = _losses(out)
+    losses = _metric(out)
     assert losses == pytest.approx(ref_losses, abs=LOSS_ATOL)
     # DeepSpeed's global gradient norm (what it clips with) == the one-process norm.
-    assert _losses(out, "grad_norm") == pytest.approx(_losses(tmp_path / "one", "grad_norm"), rel=1e-5)
+    assert _metric(out, "grad_norm") == pytest.approx(_metric(tmp_path / "one", "grad_norm"), rel=1e-5)
     weights = final_weights(out)
     assert_weights_close(weights, ref_weights, WEIGHT_ATOL)
     step2 = out / "checkpoints" / "step-00000002"
@@ -118,7 +119,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path):  # noqa: F8
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("final", "metrics.jsonl", "logs"))
     shutil.rmtree(again / "checkpoints" / "step-00000004")
     _launch(tmp_path, launch, _zero3_recipe(again, data_path), "--resume")
-    assert _losses(again) == pytest.approx(losses[2:], abs=1e-6)
+    assert _metric(again) == pytest.approx(losses[2:], abs=1e-6)
     assert_weights_close(final_weights(again), weights, 1e-6)
 
 
@@ -133,7 +134,7 @@ def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path):  # noqa: F8
         train={"micro_batch_size": 2, "grad_accum": 2, "chunked_loss": True},
     )
     _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw)
-    assert _losses(tmp_path / "offload") == pytest.approx(ref_losses, abs=LOSS_ATOL)
+    assert _metric(tmp_path / "offload") == pytest.approx(ref_losses, abs=LOSS_ATOL)
     assert_weights_close(final_weights(tmp_path / "offload"), ref_weights, WEIGHT_ATOL)
 
 
@@ -148,7 +149,7 @@ def test_zero3_lora_matches_one_process(tmp_path, data_path):  # noqa: F811
     ref = run_distributed(_train_runs, 1, [{"recipe": single}], str(tmp_path), timeout=RUN_TIMEOUT)
     raw = tiny_recipe(tmp_path / "lora", data_path, parallel={"cp_size": 2}, train=train, lora=lora)
     _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 2), raw)
-    assert _losses(tmp_path / "lora") == pytest.approx(ref[0][0]["losses"], abs=LOSS_ATOL)
+    assert _metric(tmp_path / "lora") == pytest.approx(ref[0][0]["losses"], abs=LOSS_ATOL)
     got = load_file(str(tmp_path / "lora" / "final" / "adapter_model.safetensors"))
     want = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
     assert sorted(got) == sorted(want) and any("lora_B" in k for k in got)
