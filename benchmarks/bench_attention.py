@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ringft.ops.emulate import run_schedule  # noqa: E402
+from ringft.emulate import run_schedule  # noqa: E402
 from ringft.ops.kernels import BlockAttention, accumulator_dtype, default_scale, get_backend  # noqa: E402
 from ringft.ops.merge import merge_attention_  # noqa: E402
 from ringft.ops.zigzag import zigzag_ring_attention  # noqa: E402

@@ -116,7 +116,7 @@ def _set_options(model: torch.nn.Module, opts: dict[str, bool]) -> None:
 def _step(model: torch.nn.Module, seq: int, rank: int, world: int, opts: dict[str, bool]) -> float:
     """One forward + backward of a ``seq``-token sequence (global); returns seconds."""
     from ringft import RingDataCollator
-    from ringft.trainer import CausalLMLoss
+    from ringft.train.trainer import CausalLMLoss
 
     gen = torch.Generator().manual_seed(seq)
     ids = torch.randint(1, MODEL["vocab_size"], (seq,), generator=gen).tolist()

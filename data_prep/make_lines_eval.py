@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     from ringft.demo_tokenizer import load_tokenizer
-    from ringft.evals.lines_data import make_line_cases, save_cases_jsonl
+    from ringft.lines import make_line_cases, save_cases_jsonl
 
     args = parse_args(argv)
     lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]

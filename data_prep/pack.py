@@ -6,7 +6,7 @@ Example::
         --seq-len 32768 --output data/books-32k
 
 Documents are joined as ``doc0 EOS doc1 EOS ...`` and cut into rows of exactly ``--seq-len``
-tokens (column ``input_ids``); the short tail is dropped. See ``ringft.packing``.
+tokens (column ``input_ids``); the short tail is dropped. See ``ringft.data.packing``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 
 try:
-    from ringft import packing
+    from ringft.data import packing
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from ringft import packing
+    from ringft.data import packing
 
 SUMMARY_FILE = "pack_summary.json"
 

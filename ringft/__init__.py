@@ -1,6 +1,6 @@
 """ringft: fine-tune Hugging Face LLaMA / Mistral models at very long context with zigzag ring attention."""
 
-from ringft.data import RingDataCollator
+from ringft.data.collator import RingDataCollator
 from ringft.hf import apply_ring_attention, remove_ring_attention, ring_attention
 from ringft.ops import zigzag_ring_attention
 from ringft.sharding import zigzag_gather, zigzag_position_ids, zigzag_shard, zigzag_unshard

@@ -16,11 +16,11 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--no-progress", action="store_true")
     args, overrides = parser.parse_known_args(argv)
-    from ringft.config import RecipeError, load_recipe
+    from ringft.train.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe, overrides)
-        from ringft.trainer import train
+        from ringft.train import train
 
         train(recipe, resume=args.resume, progress=not args.no_progress)
     except RecipeError as exc:

@@ -1,7 +1,7 @@
 """A tiny, offline byte-level BPE tokenizer for demos and tests (no Hub downloads).
 
 It is trained deterministically (``tokenizers`` library) on line-retrieval text from
-:mod:`ringft.evals.lines_data` plus a few generic English sentences. Every digit is its own
+:mod:`ringft.lines.text` plus a few generic English sentences. Every digit is its own
 token (numbers stay learnable), any byte string can be encoded (byte-level alphabet, no
 ``<unk>`` in practice) and decoding round-trips the text exactly. Special tokens: ``<s>``
 (BOS, added in front by ``tokenizer(text)``), ``</s>`` (EOS), ``<pad>``, ``<unk>``. There is
@@ -57,7 +57,7 @@ If you are not sure about the answer, say that you do not know.
 
 def demo_corpus() -> Iterator[str]:
     """Deterministic training text: line-retrieval records, every word, English sentences."""
-    from ringft.evals import lines_data as ld
+    from ringft.lines import text as ld
 
     for _ in range(4):
         yield from _ENGLISH.splitlines()

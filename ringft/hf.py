@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringft.modeling import decoder, pretrained_model
 from ringft.ops import zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
 
@@ -150,18 +151,6 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def _base_transformer(model: torch.nn.Module) -> torch.nn.Module:
-    """The innermost PreTrainedModel that receives input_ids/position_ids (e.g. LlamaModel)."""
-    inner = model
-    if hasattr(inner, "get_base_model"):  # peft
-        inner = inner.get_base_model()
-    return getattr(inner, "base_model", inner)
-
-
-def _pretrained(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _input_check_hook(spec: RingSpec):
     def hook(module, args, kwargs):
         mask = kwargs.get("attention_mask")
@@ -203,7 +192,7 @@ def apply_ring_attention(
             f"ringft needs transformers >= 5.0 (AttentionInterface routing), found "
             f"{transformers.__version__}: pip install -U 'transformers>=5,<6'"
         )
-    pretrained = _pretrained(model)
+    pretrained = pretrained_model(model)
     config = getattr(pretrained, "config", None)
     model_type = getattr(config, "model_type", None)
     attn_modules = _attention_modules(model)
@@ -227,7 +216,7 @@ def apply_ring_attention(
         old.hook.remove()
     previous = old.previous_implementation if old else config._attn_implementation
     spec = RingSpec(group=cp_group, backend=backend, size=size, previous_implementation=previous, rank=rank)
-    spec.hook = _base_transformer(model).register_forward_pre_hook(_input_check_hook(spec), with_kwargs=True)
+    spec.hook = decoder(model).register_forward_pre_hook(_input_check_hook(spec), with_kwargs=True)
     pretrained._ringft_ring = spec
     for module in attn_modules:
         module._ringft_ring = spec
@@ -237,7 +226,7 @@ def apply_ring_attention(
 
 def remove_ring_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`apply_ring_attention`: restore the previous attention implementation."""
-    pretrained = _pretrained(model)
+    pretrained = pretrained_model(model)
     spec: RingSpec | None = getattr(pretrained, "_ringft_ring", None)
     if spec is None:
         return model

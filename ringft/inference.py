@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringft.hf import _pretrained, apply_ring_attention
+from ringft.hf import apply_ring_attention
+from ringft.modeling import decoder, output_head, pretrained_model
 from ringft.ops.comm import group_rank_and_size
 from ringft.sharding import zigzag_position_ids, zigzag_shard
 
@@ -26,13 +27,12 @@ class RingInference:
     def __init__(self, model: torch.nn.Module, cp_group=None, backend: str = "auto"):
         self.model = apply_ring_attention(model, cp_group, backend)
         self.model.eval()
-        self.spec = _pretrained(model)._ringft_ring
+        self.spec = pretrained_model(model)._ringft_ring
         self.group = cp_group
         self.rank, self.size = group_rank_and_size(cp_group)
         self.device = next(model.parameters()).device
-        inner = _pretrained(model)
-        self.decoder = inner.model
-        self.lm_head = inner.get_output_embeddings()
+        self.decoder = decoder(model)
+        self.lm_head = output_head(model)
         self.length = 0
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from ringft.modeling import output_head, pretrained_model
+
 __all__ = ["checkpointed_head_loss", "chunked_lm_loss", "lm_loss_from_hidden", "output_projection"]
 
 
@@ -267,19 +269,6 @@ def checkpointed_head_loss(
     return total / denom.reshape(()).to(device=hidden.device, dtype=acc)
 
 
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a peft wrapper (or ``model`` itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _head_of(model: torch.nn.Module) -> torch.nn.Module:
-    inner = _base_model(model)
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if head is None:
-        raise ValueError(f"{type(inner).__name__} has no output embeddings (get_output_embeddings())")
-    return head
-
-
 def _needs_module_call(head: torch.nn.Module) -> str | None:
     """Why ``head`` cannot be read as a plain ``(weight, bias)`` pair, or None when it can."""
     lora_a = getattr(head, "lora_A", None)
@@ -306,7 +295,7 @@ def output_projection(model: torch.nn.Module) -> torch.nn.Module:
     otherwise; :func:`lm_loss_from_hidden` handles those by calling the module
     (:func:`checkpointed_head_loss`).
     """
-    head = _head_of(model)
+    head = output_head(model)
     why = _needs_module_call(head)
     if why is not None:
         raise NotImplementedError(f"{why}: use lm_loss_from_hidden / checkpointed_head_loss instead")
@@ -330,10 +319,10 @@ def lm_loss_from_hidden(
     Uses the fused :func:`chunked_lm_loss` on a plain head, :func:`checkpointed_head_loss` on a
     ZeRO-3 / sharded / LoRA-adapted one.
     """
-    config = getattr(_base_model(model), "config", None)
+    config = getattr(pretrained_model(model), "config", None)
     if getattr(config, "final_logit_softcapping", None):
         raise NotImplementedError("logit soft-capping (final_logit_softcapping) is not supported")
-    head = _head_of(model)
+    head = output_head(model)
     if _needs_module_call(head) is not None:
         return checkpointed_head_loss(
             head, hidden, labels, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from ringft.ops.emulate import emulate_zigzag_attention
+from ringft.emulate import emulate_zigzag_attention
 from ringft.ops.kernels import FlashAttnBackend
 from tests.oracle import full_attention_fp64
 

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from ringft import lines as ld
+from ringft.data.synthetic import make_synthetic_dataset, make_synthetic_example
 from ringft.demo_tokenizer import (
     DEMO_TOKENIZER_DIR,
     build_demo_tokenizer,
     load_demo_tokenizer,
 )
-from ringft.evals import lines_data as ld
-from ringft.evals.lines_data import (
+from ringft.lines import (
     LINE_RE,
     PREAMBLE,
     LineCase,
@@ -25,13 +26,12 @@ from ringft.evals.lines_data import (
     load_cases_jsonl,
     make_line_case,
     make_line_cases,
-    make_synthetic_dataset,
-    make_synthetic_example,
     save_cases_jsonl,
     score_answer,
     target_index_for_depth,
     unique_names,
 )
+from ringft.lines.text import _RecordStream
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION_RE = re.compile(
@@ -64,7 +64,7 @@ def parse_prompt(prompt: str) -> tuple[list[tuple[str, int]], str]:
 def next_line_prompt(tokenizer, case: LineCase) -> str:
     """The prompt the generator would build with one more line (same seed and depth)."""
     num_words = case.target_line.count("-") + 1
-    stream = ld._RecordStream(case.seed, num_words)
+    stream = _RecordStream(case.seed, num_words)
     stream.ensure(case.num_lines + 1)
     n = case.num_lines + 1
     idx = target_index_for_depth(case.depth, n)

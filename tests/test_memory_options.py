@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention
 from ringft.testing import run_distributed
 from ringft.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, is_tiled_mlp, mlp_modules
-from ringft.trainer import CausalLMLoss
+from ringft.train.trainer import CausalLMLoss
 from tests.test_hf_ring import ragged_examples, tiny_model
 
 REL = 1e-6

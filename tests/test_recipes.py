@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # allow running without the package installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from ringft.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict, validate  # noqa: E402
+from ringft.train.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict, validate  # noqa: E402
 
 RECIPES = REPO_ROOT / "recipes"
 ACCEL = RECIPES / "accelerate"

@@ -1,4 +1,4 @@
-"""ringft.trainer end to end on gloo CPU processes: DP x CP equivalence, gradient accumulation,
+"""ringft.train end to end on gloo CPU processes: DP x CP equivalence, gradient accumulation,
 kill-and-resume (also mid-save), recipe validation, the CLI's error path, LoRA export.
 
 Every training is a tiny fp32 LLaMA built from config (hidden 32, 1 layer, the shipped "demo"
@@ -39,9 +39,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft.config import RecipeError, recipe_from_dict, validate
 from ringft.parallel import ParallelLayout
 from ringft.testing import run_distributed
+from ringft.train.recipe import RecipeError, recipe_from_dict, validate
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_ATOL = 1e-5
@@ -158,7 +158,7 @@ def _train_runs(rank: int, world: int, runs: list[dict], store_dir: str) -> list
     ``record`` (rank 0) writes the result as JSON as soon as the run ends: a later run of the same
     call may be one that is meant to die, and then nothing is returned.
     """
-    from ringft.trainer import Trainer, build_model
+    from ringft.train.trainer import Trainer, build_model
 
     _one_thread()
     results = []
@@ -188,7 +188,7 @@ def _train_runs(rank: int, world: int, runs: list[dict], store_dir: str) -> list
 def _lora_worker(rank: int, world: int, raw: dict) -> dict:
     from peft import PeftModel
 
-    from ringft.trainer import Trainer, build_model
+    from ringft.train.trainer import Trainer, build_model
 
     _one_thread()
     recipe = recipe_from_dict(raw)
@@ -242,7 +242,7 @@ def test_example_indices_global_batch_matches_one_process(dp, ga, shuffle):
     """Per optimizer step, the DP replicas (x grad-accum micro-steps) read exactly the examples one
     process reads with ``micro_batch = dp * mb`` (and ``grad_accum = 1``), epochs included; all CP
     ranks of a replica read the same examples."""
-    from ringft.trainer import example_indices
+    from ringft.train.trainer import example_indices
 
     mb, n = 2, 13  # n is no multiple of the global batch: steps straddle epoch boundaries
 
@@ -324,7 +324,7 @@ def test_kill_and_resume(tmp_path, data_path):
     starts from step 2 and ends equal to A. C: rank 0 dies inside the save of step 4 (after the
     state is written, before the rename): the half-written ``.tmp`` is never a checkpoint, resume
     starts from step 2 and ends equal to A."""
-    from ringft.trainer import complete_checkpoints
+    from ringft.train.trainer import complete_checkpoints
 
     def recipe(name):
         return tiny_recipe(
@@ -447,7 +447,7 @@ def test_cp_must_divide_world_size(tmp_path):
 
 
 def test_unsupported_model_type(tmp_path):
-    from ringft.trainer import build_model
+    from ringft.train.trainer import build_model
 
     raw = _valid(tmp_path, model={"model_type": "gpt2"})
     # Either the recipe check or (at the latest) building the model must refuse it, by name.

@@ -157,7 +157,7 @@ def test_shard_rejects_indivisible_length():
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
 def test_single_process_emulation_matches_oracle(world, causal):
-    from ringft.ops.emulate import emulate_zigzag_attention
+    from ringft.emulate import emulate_zigzag_attention
 
     q, k, v, dout = _make_inputs(11, 2, 48, 8, 2, 80, torch.float32)
     ref = _oracle_with_grads(q, k, v, dout, causal)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringft.evals.lines_data import (
+from ringft.lines import (
     LineCase,
     load_cases_jsonl,
     make_line_cases,

@@ -40,7 +40,15 @@ SUPPORTED_EXTENSIONS: dict[str, str] = {
 # Extensions that make a non-existent ``source`` look like a (missing) local path rather than
 # a hub dataset name.
 _PATHLIKE_EXTENSIONS = set(SUPPORTED_EXTENSIONS) | {
-    ".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz", ".bz2", ".zip", ".tar",
+    ".csv",
+    ".tsv",
+    ".arrow",
+    ".gz",
+    ".zst",
+    ".xz",
+    ".bz2",
+    ".zip",
+    ".tar",
 }
 
 _FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
@@ -117,9 +125,7 @@ def _resolve_local_files(source: str) -> tuple[str, list[str]] | None:
             if os.path.isfile(p) and os.path.splitext(p)[1].lower() in SUPPORTED_EXTENSIONS
         )
         if not files:
-            raise ValueError(
-                f"directory {source!r} contains no {'/'.join(SUPPORTED_EXTENSIONS)} files"
-            )
+            raise ValueError(f"directory {source!r} contains no {'/'.join(SUPPORTED_EXTENSIONS)} files")
     elif os.path.isfile(path):
         files = [path]
     elif _looks_like_path(source):
@@ -129,8 +135,7 @@ def _resolve_local_files(source: str) -> tuple[str, list[str]] | None:
     builders = {_builder_for(f) for f in files}
     if len(builders) > 1:
         raise ValueError(
-            f"{source!r} mixes file types ({', '.join(sorted(builders))}); "
-            "point it at files of a single type"
+            f"{source!r} mixes file types ({', '.join(sorted(builders))}); point it at files of a single type"
         )
     return builders.pop(), files
 
@@ -171,17 +176,14 @@ def load_corpus(
     """
     resolved = _resolve_local_files(source)
     if resolved is None:
-        dataset = datasets.load_dataset(
-            source, split=split, streaming=streaming, cache_dir=cache_dir
-        )
+        dataset = datasets.load_dataset(source, split=split, streaming=streaming, cache_dir=cache_dir)
     else:
         builder, files = resolved
         kwargs: dict[str, Any] = {}
         if builder == "text":
             if txt_sample_by not in ("document", "paragraph", "line"):
                 raise ValueError(
-                    f"txt_sample_by must be 'document', 'paragraph' or 'line', "
-                    f"not {txt_sample_by!r}"
+                    f"txt_sample_by must be 'document', 'paragraph' or 'line', not {txt_sample_by!r}"
                 )
             kwargs["sample_by"] = txt_sample_by
         dataset = datasets.load_dataset(
@@ -208,9 +210,7 @@ def _texts(values: list[Any], text_column: str) -> list[str]:
         if v is None:
             v = ""
         elif not isinstance(v, str):
-            raise ValueError(
-                f"text column {text_column!r} must hold strings, found {type(v).__name__}"
-            )
+            raise ValueError(f"text column {text_column!r} must hold strings, found {type(v).__name__}")
         out.append(v)
     return out
 

@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringft.config import Recipe, RecipeError, validate
-from ringft.data import RingDataCollator
-from ringft.hf import _pretrained, apply_ring_attention
+from ringft.data.collator import RingDataCollator
+from ringft.hf import apply_ring_attention
 from ringft.loss import lm_loss_from_hidden
+from ringft.modeling import decoder, pretrained_model
 from ringft.parallel import ParallelLayout, build_layout
+from ringft.train.recipe import Recipe, RecipeError, validate
 
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
@@ -50,10 +51,10 @@ class CausalLMLoss(nn.Module):
     @property
     def config(self):
         """The model's config (accelerate's DeepSpeed setup sizes its buckets from ``hidden_size``)."""
-        return _pretrained(self.model).config
+        return pretrained_model(self.model).config
 
     def _decoder(self) -> nn.Module:
-        return _pretrained(self.model).model
+        return decoder(self.model)
 
     def forward(self, input_ids, position_ids, shift_labels, num_items_in_batch, **_: Any) -> torch.Tensor:
         # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
@@ -140,7 +141,7 @@ def load_training_data(recipe: Recipe, tokenizer):
         if "input_ids" not in ds.column_names:
             raise RecipeError(f"dataset {d.path!r} has no input_ids column (columns: {ds.column_names})")
         return ds
-    from ringft.evals.lines_data import make_synthetic_dataset
+    from ringft.data.synthetic import make_synthetic_dataset
 
     syn = dict(d.synthetic)
     return make_synthetic_dataset(

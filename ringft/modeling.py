@@ -1,0 +1,34 @@
+"""Where the parts of a transformers causal LM are, with or without a peft wrapper.
+
+One place for the unwrapping that the ring patch, the loss, the trainer and inference all need.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["decoder", "output_head", "pretrained_model"]
+
+
+def pretrained_model(model: nn.Module) -> nn.Module:
+    """The transformers ``PreTrainedModel`` inside a peft wrapper (or ``model`` itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (e.g. ``LlamaModel``): takes ``input_ids`` ``(batch, seq)`` and
+    ``position_ids`` ``(batch, seq)``, returns ``last_hidden_state`` ``(batch, seq, hidden)``.
+
+    Works for ``*ForCausalLM`` and for the bare base model, peft-wrapped or not.
+    """
+    inner = pretrained_model(model)
+    return getattr(inner, "base_model", inner)
+
+
+def output_head(model: nn.Module) -> nn.Module:
+    """The output projection (``lm_head``, weight ``(vocab, hidden)``) of a causal LM."""
+    inner = pretrained_model(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(inner).__name__} has no output embeddings (get_output_embeddings())")
+    return head

@@ -1,0 +1,159 @@
+"""The package's layering, read from its own imports (``ast``), so the structure stays true.
+
+Layers, lowest first (README, "Architecture"). A module may import from a lower layer, or from its
+own package (``ringft.train.loop`` -> ``ringft.train.recipe``); never from a higher layer or from a
+sibling package of the same layer. Lazy imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ringft"
+
+LAYERS: dict[str, int] = {
+    "ringft.ops": 0,
+    "ringft.sharding": 1,
+    "ringft.parallel": 1,
+    "ringft.modeling": 1,
+    "ringft.lines": 1,
+    "ringft.testing": 1,
+    "ringft.data": 2,
+    "ringft.demo_tokenizer": 2,
+    "ringft.emulate": 2,
+    "ringft.hf": 3,
+    "ringft.loss": 3,
+    "ringft.tiled_mlp": 3,
+    "ringft.inference": 4,
+    "ringft.train": 5,
+    "ringft.evals": 5,
+    "ringft.planner": 5,
+    "ringft.cli": 6,
+    "ringft.__main__": 7,
+    "ringft": 7,  # the package __init__: the public API
+}
+MAX_LINES = 400  # a module is read in one sitting
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _unit(module: str) -> str:
+    """The layered unit a module belongs to (the longest matching key of LAYERS)."""
+    best = max((k for k in LAYERS if module == k or module.startswith(k + ".")), key=len, default=None)
+    if best is None:
+        raise AssertionError(f"{module} is not assigned a layer in tests/test_architecture.py")
+    return best
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(imported module, imported names, line) for every ringft import in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "ringft"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "ringft":
+                found.append((target, [a.name for a in node.names], node.lineno))
+    return found
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    for path in _sources():
+        _unit(_module_name(path))
+
+
+def test_imports_only_go_down():
+    problems = []
+    for path in _sources():
+        me = _module_name(path)
+        mine = _unit(me)
+        for target, names, line in _imports(path):
+            theirs = _unit(target)
+            if theirs == mine:
+                continue
+            if LAYERS[theirs] >= LAYERS[mine]:
+                problems.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: {me} (layer {LAYERS[mine]}) imports "
+                    f"{target} (layer {LAYERS[theirs]})"
+                )
+            private = [n for n in names if n.startswith("_")]
+            if private:
+                problems.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: private name(s) {private} imported "
+                    f"across packages from {target}"
+                )
+    assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {}
+    for path in _sources():
+        me = _unit(_module_name(path))
+        graph.setdefault(me, set()).update(_unit(t) for t, _, _ in _imports(path) if _unit(t) != me)
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*trail, node, nxt]))
+            if not state.get(nxt):
+                visit(nxt, [*trail, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if not state.get(node):
+            visit(node, [])
+
+
+def test_ops_never_imports_transformers():
+    for path in sorted((PACKAGE / "ops").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            assert not any(n.split(".")[0] in ("transformers", "accelerate", "peft") for n in names), path
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_module_fits_in_one_sitting(path: Path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, (
+        f"{path.relative_to(PACKAGE.parent)} has {lines} lines (> {MAX_LINES}): split it"
+    )
+
+
+def test_public_functions_have_docstrings():
+    missing = []
+    for path in _sources():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                if ast.get_docstring(node) is None:
+                    missing.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert not missing, "public functions/classes without a docstring:\n" + "\n".join(missing)
