@@ -21,10 +21,8 @@ import argparse
 import datetime
 import gc
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -35,15 +33,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import describe_machine  # noqa: E402
 from ringft.emulate import run_schedule  # noqa: E402
-from ringft.ops.kernels import BlockAttention, accumulator_dtype, default_scale, get_backend  # noqa: E402
+from ringft.ops import DTYPES as _ALL_DTYPES  # noqa: E402
+from ringft.ops import accumulator_dtype, default_softmax_scale  # noqa: E402
+from ringft.ops.kernels import BlockAttention, get_backend  # noqa: E402
 from ringft.ops.merge import merge_attention_  # noqa: E402
 from ringft.ops.zigzag import zigzag_ring_attention  # noqa: E402
 from ringft.sharding import zigzag_shard  # noqa: E402
 from ringft.testing import run_distributed  # noqa: E402
 
 Tensor = torch.Tensor
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPES = {name: _ALL_DTYPES[name] for name in ("bf16", "fp32", "fp16")}
 SECTIONS = ("overhead", "balance", "memory", "overlap")
 MIB = 1024 * 1024
 
@@ -81,7 +82,13 @@ def _make(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype, devi
 
 
 def _inputs(
-    seed: int, batch: int, seq: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+    seed: int,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Seeded global ``q, k, v, dout`` in layout ``(batch, seq, heads, dim)`` (CPU RNG, same everywhere)."""
@@ -111,22 +118,9 @@ def _ratio_stats(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
-def _cpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in text.splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _header(args: argparse.Namespace, title: str, device: torch.device) -> list[str]:
     """Markdown heading lines: command, machine, torch version, threads, date."""
-    machine = f"{_cpu_model()}, {os.cpu_count()} cores"
-    if device.type == "cuda":
-        machine = f"{torch.cuda.get_device_name(device)}; host {machine}"
+    machine = describe_machine()  # CPU model and instruction set: CPU figures depend on both
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
     cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     return [
@@ -174,8 +168,14 @@ def _operator_fwd_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, backend: st
 
 
 def _contiguous_rank(
-    kernel: BlockAttention, qs: list[Tensor], ks: list[Tensor], vs: list[Tensor], douts: list[Tensor],
-    dkvs: list[Tensor], rank: int, scale: float,
+    kernel: BlockAttention,
+    qs: list[Tensor],
+    ks: list[Tensor],
+    vs: list[Tensor],
+    douts: list[Tensor],
+    dkvs: list[Tensor],
+    rank: int,
+    scale: float,
 ) -> None:
     """Causal fwd+bwd of ``rank`` under contiguous sharding (chunk ``rank`` of N).
 
@@ -202,11 +202,15 @@ def _contiguous_rank(
 
 
 def _overhead_one(
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, seq: int, worlds: list[int],
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq: int,
+    worlds: list[int],
 ) -> tuple[list[float], dict[int, list[float]], dict[int, list[float]]]:
     """Times of one global size: fused list, ring times and ring/fused ratios per N."""
     kernel = get_backend(args.backend, device)
-    scale = default_scale(args.head_dim)
+    scale = default_softmax_scale(args.head_dim)
     q, k, v, dout = _inputs(seq, args.batch, seq, args.heads, args.kv_heads, args.head_dim, dtype, device)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     sharded = {n: [_shards(t, n) for t in (q, k, v, dout)] for n in worlds if n > 1}
@@ -215,7 +219,7 @@ def _overhead_one(
         if n == 1:
             return lambda: _operator_fwd_bwd(*leaves, dout, args.backend)
         qs, ks, vs, ds = sharded[n]
-        return lambda: run_schedule(kernel, qs, ks, vs, ds, causal=True, scale=scale)
+        return lambda: run_schedule(kernel, qs, ks, vs, ds, causal=True, softmax_scale=scale)
 
     def fused() -> None:
         _fused(kernel, q, k, v, dout, scale)
@@ -248,15 +252,28 @@ def section_overhead(args: argparse.Namespace, device: torch.device, dtype_name:
         gc.collect()
         for n in worlds:
             kind = "real op, no group" if n == 1 else "emulated schedule"
-            rows.append([
-                dtype_name, _seq_label(seq), f"{n} ({kind})", _ms(statistics.median(fused_t)),
-                _ms(statistics.median(ring_t[n])), _ratio_stats(ratios[n]),
-                f"{min(ring_t[n]) / min(fused_t):.3f}",
-            ])
+            rows.append(
+                [
+                    dtype_name,
+                    _seq_label(seq),
+                    f"{n} ({kind})",
+                    _ms(statistics.median(fused_t)),
+                    _ms(statistics.median(ring_t[n])),
+                    _ratio_stats(ratios[n]),
+                    f"{min(ring_t[n]) / min(fused_t):.3f}",
+                ]
+            )
     lines = _header(args, f"overhead ({dtype_name}): ring schedule vs one fused causal call, fwd+bwd", device)
     lines += _table(
-        ["dtype", "S (global)", "N", "fused ms", "ring ms", "ring/fused: median (min-max)",
-         "min ring / min fused"],
+        [
+            "dtype",
+            "S (global)",
+            "N",
+            "fused ms",
+            "ring ms",
+            "ring/fused: median (min-max)",
+            "min ring / min fused",
+        ],
         rows,
     )
     lines += [
@@ -270,11 +287,15 @@ def section_overhead(args: argparse.Namespace, device: torch.device, dtype_name:
 
 
 def _balance_one(
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, seq: int, n: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq: int,
+    n: int,
 ) -> dict[str, list[list[float]]]:
     """Per-rank fwd+bwd times ``[rank][repeat]`` of one global size for both shardings."""
     kernel = get_backend(args.backend, device)
-    scale = default_scale(args.head_dim)
+    scale = default_softmax_scale(args.head_dim)
     acc = accumulator_dtype(dtype)
     glob = _inputs(seq, args.batch, seq, args.heads, args.kv_heads, args.head_dim, dtype, device)
     zz = [_shards(t, n) for t in glob]
@@ -287,7 +308,7 @@ def _balance_one(
         def timer(_rank: int, fn: Callable[[], None]) -> None:
             spent[0] += _timed(fn, device)
 
-        run_schedule(kernel, *zz, causal=True, scale=scale, ranks=[rank], timer=timer)
+        run_schedule(kernel, *zz, causal=True, softmax_scale=scale, ranks=[rank], timer=timer)
         return spent[0]
 
     def contiguous_rank(rank: int) -> float:
@@ -314,16 +335,30 @@ def section_balance(args: argparse.Namespace, device: torch.device, dtype_name: 
         gc.collect()
         for name in ("zigzag", "contiguous"):
             med = [statistics.median(ts) for ts in times[name]]
-            per_rep = [max(ts[i] for ts in times[name]) / min(ts[i] for ts in times[name])
-                       for i in range(args.repeats)]
-            rows.append([
-                dtype_name, _seq_label(seq), name, " / ".join(_ms(m) for m in med),
-                f"{max(med) / min(med):.3f}", _ratio_stats(per_rep),
-            ])
+            per_rep = [
+                max(ts[i] for ts in times[name]) / min(ts[i] for ts in times[name])
+                for i in range(args.repeats)
+            ]
+            rows.append(
+                [
+                    dtype_name,
+                    _seq_label(seq),
+                    name,
+                    " / ".join(_ms(m) for m in med),
+                    f"{max(med) / min(med):.3f}",
+                    _ratio_stats(per_rep),
+                ]
+            )
     lines = _header(args, f"balance ({dtype_name}): per-rank fwd+bwd compute at N={n}", device)
     lines += _table(
-        ["dtype", "S (global)", "sharding", "rank 0..N-1 ms (median)", "max/min of medians",
-         "max/min per repeat: median (min-max)"],
+        [
+            "dtype",
+            "S (global)",
+            "sharding",
+            "rank 0..N-1 ms (median)",
+            "max/min of medians",
+            "max/min per repeat: median (min-max)",
+        ],
         rows,
     )
     lines += [
@@ -366,7 +401,14 @@ class _PeakRss:
 
 
 def memory_worker(
-    rank: int, world: int, seq: int, batch: int, heads: int, kv_heads: int, dim: int, dtype_name: str,
+    rank: int,
+    world: int,
+    seq: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype_name: str,
     backend: str,
 ) -> dict[str, float]:
     """One rank: warm up on a tiny input, allocate its shards, then measure the RSS rise (bytes)."""
@@ -408,8 +450,16 @@ def section_memory(args: argparse.Namespace, device: torch.device, dtype_name: s
     try:
         results = [
             run_distributed(
-                memory_worker, n, seq, args.batch, args.heads, args.kv_heads, args.head_dim, dtype_name,
-                args.backend, timeout=900.0,
+                memory_worker,
+                n,
+                seq,
+                args.batch,
+                args.heads,
+                args.kv_heads,
+                args.head_dim,
+                dtype_name,
+                args.backend,
+                timeout=900.0,
             )
             for n in args.memory_worlds
         ]
@@ -424,15 +474,30 @@ def section_memory(args: argparse.Namespace, device: torch.device, dtype_name: s
         peak = max(r["peak"] for r in res)
         peak1 = peak if n == 1 else peak1
         scaled = f"{n * peak / peak1:.2f}" if peak1 else "n/a"
-        rows.append([
-            dtype_name, _seq_label(seq), str(n), f"{res[0]['inputs'] / MIB:.1f}",
-            f"{res[0]['grads'] / MIB:.1f}",
-            " / ".join(f"{r['peak'] / MIB:.1f}" for r in res), f"{peak / MIB:.1f}", scaled,
-        ])
+        rows.append(
+            [
+                dtype_name,
+                _seq_label(seq),
+                str(n),
+                f"{res[0]['inputs'] / MIB:.1f}",
+                f"{res[0]['grads'] / MIB:.1f}",
+                " / ".join(f"{r['peak'] / MIB:.1f}" for r in res),
+                f"{peak / MIB:.1f}",
+                scaled,
+            ]
+        )
     lines = _header(args, f"memory ({dtype_name}): per-rank peak RSS rise during fwd+bwd, S={seq}", device)
     lines += _table(
-        ["dtype", "S (global)", "N", "inputs/rank MiB", "q/k/v grads/rank MiB", "peak rise per rank MiB",
-         "max peak MiB", "N x peak / peak(N=1)"],
+        [
+            "dtype",
+            "S (global)",
+            "N",
+            "inputs/rank MiB",
+            "q/k/v grads/rank MiB",
+            "peak rise per rank MiB",
+            "max peak MiB",
+            "N x peak / peak(N=1)",
+        ],
         rows,
     )
     lines += [
@@ -472,20 +537,31 @@ def _memory_cuda(args: argparse.Namespace, device: torch.device, dtype_name: str
 
 
 def _overlap_one(
-    rank: int, world: int, seq: int, batch: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
-    backend: str, repeats: int, warmup: int,
+    rank: int,
+    world: int,
+    seq: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    backend: str,
+    repeats: int,
+    warmup: int,
 ) -> dict[str, list[float]]:
     """Ring vs compute-only times of one global size on this rank."""
     import torch.distributed as dist
 
     cpu = torch.device("cpu")
     kernel = get_backend(backend, cpu)
-    scale = default_scale(dim)
+    scale = default_softmax_scale(dim)
     qs, ks, vs, ds = (_shards(t, world) for t in _inputs(seq, batch, seq, heads, kv_heads, dim, dtype, cpu))
     leaves = [t[rank].detach().clone().requires_grad_() for t in (qs, ks, vs)]
     measures = {
         "ring": lambda: _operator_fwd_bwd(*leaves, ds[rank], backend),
-        "compute": lambda: run_schedule(kernel, qs, ks, vs, ds, causal=True, scale=scale, ranks=[rank]),
+        "compute": lambda: run_schedule(
+            kernel, qs, ks, vs, ds, causal=True, softmax_scale=scale, ranks=[rank]
+        ),
     }
     times: dict[str, list[float]] = {"ring": [], "compute": []}
     for rep in range(warmup + repeats):
@@ -498,8 +574,17 @@ def _overlap_one(
 
 
 def overlap_worker(
-    rank: int, world: int, seqs: list[int], batch: int, heads: int, kv_heads: int, dim: int,
-    dtype_name: str, backend: str, repeats: int, warmup: int,
+    rank: int,
+    world: int,
+    seqs: list[int],
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype_name: str,
+    backend: str,
+    repeats: int,
+    warmup: int,
 ) -> list[dict[str, list[float]]]:
     """One rank: time the real operator vs its own schedule without communication, interleaved."""
     torch.set_num_threads(1)
@@ -513,15 +598,29 @@ def overlap_worker(
 def section_overlap(args: argparse.Namespace, device: torch.device, dtype_name: str) -> None:
     """Real 2-rank operator vs communication-free schedule of the same rank (CPU, gloo)."""
     if device.type == "cuda":
-        _emit(args, [
-            f"### overlap ({dtype_name})", "",
-            "Skipped on CUDA: it needs 2 processes on 2 GPUs (NCCL); this benchmark runs on one GPU.",
-        ])
+        _emit(
+            args,
+            [
+                f"### overlap ({dtype_name})",
+                "",
+                "Skipped on CUDA: it needs 2 processes on 2 GPUs (NCCL); this benchmark runs on one GPU.",
+            ],
+        )
         return
     n = 2
     res = run_distributed(
-        overlap_worker, n, args.overlap_seq, args.batch, args.heads, args.kv_heads, args.head_dim,
-        dtype_name, args.backend, args.overlap_repeats, args.warmup, timeout=1800.0,
+        overlap_worker,
+        n,
+        args.overlap_seq,
+        args.batch,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        dtype_name,
+        args.backend,
+        args.overlap_repeats,
+        args.warmup,
+        timeout=1800.0,
     )
     rows = []
     for i, seq in enumerate(args.overlap_seq):
@@ -530,15 +629,30 @@ def section_overlap(args: argparse.Namespace, device: torch.device, dtype_name: 
             ring, comp = res[rank][i]["ring"], res[rank][i]["compute"]
             ratios = [a / b for a, b in zip(ring, comp)]
             worst = max(worst, statistics.median(ratios))
-            rows.append([
-                dtype_name, _seq_label(seq), str(rank), _ms(statistics.median(ring)),
-                _ms(statistics.median(comp)), _ratio_stats(ratios), f"{min(ring) / min(comp):.3f}",
-                f"{worst:.3f}" if rank == n - 1 else "",
-            ])
+            rows.append(
+                [
+                    dtype_name,
+                    _seq_label(seq),
+                    str(rank),
+                    _ms(statistics.median(ring)),
+                    _ms(statistics.median(comp)),
+                    _ratio_stats(ratios),
+                    f"{min(ring) / min(comp):.3f}",
+                    f"{worst:.3f}" if rank == n - 1 else "",
+                ]
+            )
     lines = _header(args, f"overlap ({dtype_name}): real operator (N=2, gloo) vs compute only", device)
     lines += _table(
-        ["dtype", "S (global)", "rank", "ring ms", "compute-only ms", "ring/compute: median (min-max)",
-         "min ring / min compute", "worst rank (median)"],
+        [
+            "dtype",
+            "S (global)",
+            "rank",
+            "ring ms",
+            "compute-only ms",
+            "ring/compute: median (min-max)",
+            "min ring / min compute",
+            "worst rank (median)",
+        ],
         rows,
     )
     lines += [
@@ -561,8 +675,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bf16,fp32", help="comma-separated: bf16, fp32, fp16")
     p.add_argument("--section", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
-    p.add_argument("--seq", type=_int_list, default=_int_list("2K,4K,8K"),
-                   help="global sequence lengths for overhead and balance (e.g. 2K,4K,8K)")
+    p.add_argument(
+        "--seq",
+        type=_int_list,
+        default=_int_list("2K,4K,8K"),
+        help="global sequence lengths for overhead and balance (e.g. 2K,4K,8K)",
+    )
     p.add_argument("--worlds", type=_int_list, default=[2, 4, 8], help="emulated N for overhead")
     p.add_argument("--balance-world", type=int, default=4)
     p.add_argument("--memory-seq", type=_int_list, default=[16384], help="global S for memory (one value)")
@@ -596,7 +714,9 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")
     runners = {
-        "overhead": section_overhead, "balance": section_balance, "memory": section_memory,
+        "overhead": section_overhead,
+        "balance": section_balance,
+        "memory": section_memory,
         "overlap": section_overlap,
     }
     for section in args.sections:

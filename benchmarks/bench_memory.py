@@ -39,7 +39,6 @@ import datetime
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ringft without installing
+
+from benchmarks.machine import describe_machine  # noqa: E402
+from ringft.ops import DTYPES  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -64,7 +66,7 @@ MODEL: dict[str, Any] = {
 }
 LOSS_CHUNK = 512
 TILE_TOKENS = 1024
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MEASURED_DTYPES = ("fp32", "bf16")
 CONFIGS: dict[str, dict[str, bool]] = {
     "baseline": {"chunked": False, "ckpt": False, "offload": False, "tiled": False},
     "chunked": {"chunked": True, "ckpt": False, "offload": False, "tiled": False},
@@ -116,7 +118,7 @@ def _set_options(model: torch.nn.Module, opts: dict[str, bool]) -> None:
 def _step(model: torch.nn.Module, seq: int, rank: int, world: int, opts: dict[str, bool]) -> float:
     """One forward + backward of a ``seq``-token sequence (global); returns seconds."""
     from ringft import RingDataCollator
-    from ringft.train.trainer import CausalLMLoss
+    from ringft.loss import CausalLMLoss
 
     gen = torch.Generator().manual_seed(seq)
     ids = torch.randint(1, MODEL["vocab_size"], (seq,), generator=gen).tolist()
@@ -177,8 +179,7 @@ def planned(seq: int, cp: int, opts: dict[str, bool], dtype: str = "fp32", cap_g
         offload_activations=opts["offload"],
         chunked_loss=opts["chunked"],
         loss_chunk_size=LOSS_CHUNK,
-        tiled_mlp=opts["tiled"],
-        mlp_tile_tokens=TILE_TOKENS,
+        tiled_mlp_tokens=TILE_TOKENS if opts["tiled"] else None,
         overhead_gib=0.0,
     )
     working = max(plan.layer_working_set, plan.loss_working_set)
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", default="1024,2048,4096", help="global sequence lengths")
     p.add_argument("--cp", default="1,2")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="model weights/grads/activations")
+    p.add_argument("--dtype", choices=MEASURED_DTYPES, default="fp32", help="model weights/grads/activations")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"option sets, from {','.join(CONFIGS)}")
     p.add_argument(
         "--max-plan-gib",
@@ -330,10 +331,6 @@ def main(argv: list[str] | None = None) -> int:
                     ]
                 )
     total_s = time.time() - t_start
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu_model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?")
-    import transformers
-
     cmd_args = sys.argv[1:] if argv is None else argv
     sweep_s = ", ".join(f"CP={c} sweep {s:.0f} s" for c, s in cp_seconds.items())
     lines = [
@@ -341,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         f"## Training memory on CPU, {dtype} (bench_memory.py)",
         "",
         f"Command: `python benchmarks/bench_memory.py {shlex.join(cmd_args)}`  ",
-        f"Machine: {cpu_model}, {os.cpu_count()} cores (shared with other jobs), {platform.platform()}; "
-        f"torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"Machine: {describe_machine()} (cores shared with other jobs), {platform.platform()}; "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (end); "
         f"run time {total_s:.0f} s" + (f" ({sweep_s})" if sweep_s else "") + ".  ",
         f'Model: LLaMA **{dtype}** (weights and grads {dtype}, planner `dtype="{dtype}"`), hidden '

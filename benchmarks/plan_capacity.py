@@ -21,6 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ringft without installing
 
+from benchmarks.machine import describe_machine  # noqa: E402
 from ringft.planner import GIB, max_seq_len_that_fits, plan_memory  # noqa: E402
 
 MODELS = ["llama-3.2-1b", "llama-3-8b"]
@@ -39,6 +40,7 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
 
 
 def _options(mode: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Planner options of one row: ZeRO-3, per-layer checkpointing, LoRA r16 for ``mode == "LoRA"``."""
     opts: dict[str, Any] = {"zero_stage": 3, "gradient_checkpointing": True, **extra}
     if mode == "LoRA":
         opts["lora"] = True  # r16 on all linear layers (the planner's default targets)
@@ -46,12 +48,14 @@ def _options(mode: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _k(tokens: int) -> str:
+    """Tokens as ``64K`` / ``1.25M``."""
     if tokens == 0:
         return "0"
     return f"{tokens / 1e6:.2f}M" if tokens >= 1_000_000 else f"{tokens // 1024}K"
 
 
 def capacity_rows(gpu_mem: float) -> list[dict[str, Any]]:
+    """One row per (model, full / LoRA, option set): longest sequence on 1 GPU and on 8 (cp 8)."""
     rows = []
     for model in MODELS:
         for mode in ("full", "LoRA"):
@@ -62,12 +66,21 @@ def capacity_rows(gpu_mem: float) -> list[dict[str, Any]]:
                 host = 0.0
                 if one:
                     host = plan_memory(model, one, 1, gpu_mem, cp_size=1, **opts).cpu_offloaded / GIB
-                rows.append({"model": model, "mode": mode, "options": name, "one_gpu": one,
-                             "one_gpu_host_gib": host, "node_cp8": node})
+                rows.append(
+                    {
+                        "model": model,
+                        "mode": mode,
+                        "options": name,
+                        "one_gpu": one,
+                        "one_gpu_host_gib": host,
+                        "node_cp8": node,
+                    }
+                )
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], gpu_mem: float) -> str:
+    """The rows as a Markdown table headed by the command, the machine and the planner settings."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     out = [
         f"Command: `python benchmarks/plan_capacity.py --gpu-mem {gpu_mem}` ({now}). Planner settings:",
@@ -75,6 +88,7 @@ def markdown(rows: list[dict[str, Any]], gpu_mem: float) -> str:
         "linear layers (LoRA); ZeRO-3 over the GPUs of the run (on one GPU: no sharding; the last row",
         "is ZeRO-3 offload, which also works on one GPU); micro-batch 1; flash-attn backend; 3 GiB",
         "framework overhead; loss chunk 4096 tokens; MLP tile = hidden size tokens.",
+        f"Computed on {describe_machine()} (a prediction for GPUs: it does not depend on this machine).",
         "",
         "| model | mode | options (cumulative) | 1 GPU: max tokens | host GiB (1 GPU) "
         "| 8 GPUs, cp 8: max tokens |",
@@ -88,6 +102,7 @@ def markdown(rows: list[dict[str, Any]], gpu_mem: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print (and with ``--out`` append) the capacity table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpu-mem", type=float, default=79.6, help="GiB per GPU (an 80 GB H100: ~79.6)")
     p.add_argument("--out", default=None, help="append the table to this file")

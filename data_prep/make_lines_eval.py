@@ -3,7 +3,7 @@
 Example::
 
     python data_prep/make_lines_eval.py --tokenizer demo --lengths 4096,8192 \\
-        --depths 0,0.5,1 --cases 3 --seed 0 --output cases.jsonl
+        --depths 0,0.5,1 --cases 3 --seed 0 --prompt-style longchat --output cases.jsonl
 
 Lengths accept a ``k`` suffix (``32k`` = 32768). Each case's prompt has at most the
 requested number of tokens (BOS included when the tokenizer adds one) and is within one
@@ -21,14 +21,6 @@ if __package__ in (None, ""):  # allow `python data_prep/make_lines_eval.py` fro
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def parse_length(text: str) -> int:
-    """``"4096"`` -> 4096, ``"32k"`` -> 32768."""
-    text = text.strip().lower()
-    if text.endswith("k"):
-        return int(text[:-1]) * 1024
-    return int(text)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description="Generate LongChat-style line-retrieval cases.")
@@ -43,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="wrap prompts in the tokenizer's chat template (auto: if it has one)",
     )
+    p.add_argument(
+        "--prompt-style",
+        choices=("longchat", "ringft"),
+        default="longchat",
+        help="record wording: LongChat's (default, as `ringft eval-lines`) or ringft's own",
+    )
     p.add_argument("--output", type=Path, required=True, help="output .jsonl path")
     return p.parse_args(argv)
 
@@ -50,17 +48,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     from ringft.demo_tokenizer import load_tokenizer
-    from ringft.lines import make_line_cases, save_cases_jsonl
+    from ringft.evals.checks import (
+        EvalInputError,
+        check_positive,
+        parse_depths,
+        parse_lengths,
+        too_short_error,
+    )
+    from ringft.lines import RecordTooShortError, make_line_cases, save_cases_jsonl
 
     args = parse_args(argv)
-    lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
-    depths = [float(x) for x in args.depths.split(",") if x.strip()]
+    try:
+        lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
+        check_positive("--cases", args.cases, "case per (length, depth) cell")
+    except EvalInputError as exc:
+        sys.exit(f"make_lines_eval.py: error: {exc}")
     chat = {"auto": None, "yes": True, "no": False}[args.chat_template]
     tokenizer = load_tokenizer(args.tokenizer)
     start = time.time()
-    cases = make_line_cases(
-        tokenizer, lengths, depths, args.cases, args.seed, chat_template=chat, progress=True
-    )
+    try:
+        cases = make_line_cases(
+            tokenizer,
+            lengths,
+            depths,
+            args.cases,
+            args.seed,
+            chat_template=chat,
+            progress=True,
+            prompt_style=args.prompt_style,
+        )
+    except RecordTooShortError as exc:
+        sys.exit(f"make_lines_eval.py: error: {too_short_error(exc)}")
     save_cases_jsonl(cases, args.output)
     for length in lengths:
         cell = [c for c in cases if c.length == length]

@@ -5,8 +5,13 @@ Example::
     python data_prep/pack.py --tokenizer meta-llama/Llama-2-7b-hf --source data/books/ \
         --seq-len 32768 --output data/books-32k
 
+``--tokenizer demo`` uses the small tokenizer shipped with ringft (no download). The source and
+the output are checked before the tokenizer is loaded, so a wrong path fails at once.
+
 Documents are joined as ``doc0 EOS doc1 EOS ...`` and cut into rows of exactly ``--seq-len``
-tokens (column ``input_ids``); the short tail is dropped. See ``ringft.data.packing``.
+tokens (column ``input_ids``); the short tail is dropped. ``--document-masking`` adds each row's
+document offsets (column ``cu_seqlens``, ``[0, ..., seq_len]``) for per-document attention in
+training (recipe key ``data.document_masking: true``). See ``ringft.data.packing``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ try:
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from ringft.data import packing
+from ringft.demo_tokenizer import load_tokenizer  # noqa: E402
 
 SUMMARY_FILE = "pack_summary.json"
 
@@ -42,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Tokenize a corpus and pack it into fixed-length sequences.",
     )
-    p.add_argument("--tokenizer", required=True, help="tokenizer name or local path")
+    p.add_argument(
+        "--tokenizer", required=True, help="tokenizer name or local path, or 'demo' (shipped with ringft)"
+    )
     p.add_argument(
         "--source",
         required=True,
@@ -52,18 +60,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="directory for Dataset.save_to_disk")
     p.add_argument("--text-column", default="text", help="column holding the documents")
     p.add_argument("--split", default="train", help="split to load (default: train)")
-    p.add_argument("--streaming", action="store_true", help="stream the corpus instead of "
-                   "loading it into the datasets cache first")
-    p.add_argument("--max-documents", type=_positive_int, default=None,
-                   help="only pack the first K documents")
-    p.add_argument("--num-proc", type=_positive_int, default=None,
-                   help="processes for tokenization (non-streaming only)")
-    p.add_argument("--batch-size", type=_positive_int, default=1000,
-                   help="documents tokenized per batch (default: 1000)")
-    p.add_argument("--txt-sample-by", choices=("document", "paragraph", "line"),
-                   default="document",
-                   help="for .txt sources: one document per file (default), paragraph or line")
+    p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="stream the corpus instead of loading it into the datasets cache first",
+    )
+    p.add_argument(
+        "--max-documents", type=_positive_int, default=None, help="only pack the first K documents"
+    )
+    p.add_argument(
+        "--num-proc", type=_positive_int, default=None, help="processes for tokenization (non-streaming only)"
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=1000, help="documents tokenized per batch (default: 1000)"
+    )
+    p.add_argument(
+        "--txt-sample-by",
+        choices=("document", "paragraph", "line"),
+        default="document",
+        help="for .txt sources: one document per file (default), paragraph or line",
+    )
     p.add_argument("--no-eos", action="store_true", help="do not append EOS after documents")
+    p.add_argument(
+        "--document-masking",
+        action="store_true",
+        help="also write each row's document offsets (column cu_seqlens) so that training "
+        "with data.document_masking keeps attention and targets inside documents",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--cache-dir", default=None, help="datasets cache dir for loading --source")
     return p
@@ -77,14 +100,32 @@ def _check_output(output: str, overwrite: bool) -> None:
             raise ValueError(f"--output {output!r} is not empty (pass --overwrite to replace it)")
 
 
+def _load_tokenizer(name: str):
+    """``"demo"``, a local folder, or a hub name; a path-like name that does not exist is an error
+    (without asking the hub)."""
+    if name != "demo" and not os.path.exists(os.path.expanduser(name)):
+        if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+            raise ValueError(
+                f"--tokenizer {name!r}: no such folder; give a tokenizer folder, a hub name or 'demo'"
+            )
+    try:
+        return load_tokenizer(name)
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"--tokenizer {name!r} could not be loaded ({first}); give a tokenizer folder, a hub name "
+            "or 'demo'"
+        ) from exc
+
+
 def run(args: argparse.Namespace) -> packing.PackSummary:
     """Load, pack and save according to parsed ``args``; return the summary."""
     import datasets
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
+    packing.check_source(args.source)  # cheap checks first: no tokenizer / hub access for a bad path
     _check_output(args.output, args.overwrite)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = _load_tokenizer(args.tokenizer)
     corpus = packing.load_corpus(
         args.source,
         split=args.split,
@@ -117,6 +158,7 @@ def run(args: argparse.Namespace) -> packing.PackSummary:
                     max_documents=args.max_documents,
                     cache_dir=scratch,
                     progress=bar.update,
+                    document_masking=args.document_masking,
                 )
             if summary.sequences == 0:
                 raise ValueError(
@@ -135,6 +177,7 @@ def run(args: argparse.Namespace) -> packing.PackSummary:
         "split": args.split,
         "text_column": args.text_column,
         "add_eos": not args.no_eos,
+        "document_masking": args.document_masking,
     }
     with open(os.path.join(args.output, SUMMARY_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)

@@ -1,20 +1,58 @@
-"""ringft: fine-tune Hugging Face LLaMA / Mistral models at very long context with zigzag ring attention."""
+"""ringft: fine-tune Hugging Face LLaMA / Mistral models at very long context with zigzag ring attention.
 
-from ringft.data.collator import RingDataCollator
-from ringft.hf import apply_ring_attention, remove_ring_attention, ring_attention
+The names below are the public API. The attention operator, sharding, the collator and the model
+patch import eagerly (torch + transformers only); the inference engine, the loss helpers and the
+trainer load on first use (the training loop itself is ``ringft.train.train``: ``ringft.train``
+is its package), so ``import ringft`` does not pull in accelerate, peft or datasets.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ringft.data.collator import RingDataCollator, pad_and_shard
+from ringft.hf import apply_ring_attention, remove_ring_attention, ring_attention, ring_spec
 from ringft.ops import zigzag_ring_attention
 from ringft.sharding import zigzag_gather, zigzag_position_ids, zigzag_shard, zigzag_unshard
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it (imported on first attribute access)
+_LAZY = {
+    "RingInference": "ringft.inference",
+    "CausalLMLoss": "ringft.loss",
+    "chunked_lm_loss": "ringft.loss",
+    "loss_normalization": "ringft.loss",
+    "Recipe": "ringft.train",
+    "TrainError": "ringft.train",
+    "load_recipe": "ringft.train",
+}
+
 __all__ = [
+    "CausalLMLoss",
+    "Recipe",
     "RingDataCollator",
+    "RingInference",
+    "TrainError",
     "apply_ring_attention",
+    "chunked_lm_loss",
+    "load_recipe",
+    "loss_normalization",
+    "pad_and_shard",
     "remove_ring_attention",
     "ring_attention",
+    "ring_spec",
     "zigzag_gather",
     "zigzag_position_ids",
     "zigzag_ring_attention",
     "zigzag_shard",
     "zigzag_unshard",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the lazily exported names (``ringft.train``, ``ringft.RingInference``, ...)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ringft' has no attribute {name!r}")

@@ -1,4 +1,8 @@
-"""The ``ringft`` command: ``train``, ``eval-lines``, ``plan``, ``demo``."""
+"""The ``ringft`` command: ``train``, ``eval-lines``, ``plan``.
+
+Each subcommand's own parser lives with its package (``ringft.train``, ``ringft.evals``,
+``ringft.planner``); this module only dispatches. ``ringft SUBCOMMAND --help`` lists its options.
+"""
 
 from __future__ import annotations
 
@@ -16,14 +20,12 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--no-progress", action="store_true")
     args, overrides = parser.parse_known_args(argv)
-    from ringft.train.recipe import RecipeError, load_recipe
+    from ringft.train import TrainError, load_recipe, train
 
     try:
         recipe = load_recipe(args.recipe, overrides)
-        from ringft.train import train
-
         train(recipe, resume=args.resume, progress=not args.no_progress)
-    except RecipeError as exc:
+    except TrainError as exc:  # a refused recipe / data / checkpoint, a full disk: one line
         print(f"ringft train: error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -45,13 +47,14 @@ COMMANDS = {"train": _train, "eval-lines": _eval_lines, "plan": _plan}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``ringft SUBCOMMAND ...`` (``argv`` defaults to ``sys.argv[1:]``); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(
             "usage: ringft {train,eval-lines,plan} ...\n"
             "  train RECIPE.yaml [--resume] [--section.key value ...]\n"
             "  eval-lines --model PATH --lengths 4096,8192 --depths 0,0.5,1 [--cp N]\n"
-            "  plan --model llama-3-8b --seq-len 524288 --gpus 8 --gpu-mem 80"
+            "  plan --model llama-3-8b --seq-len 524288 --gpus 8 --gpu-mem 80 --zero 3"
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])

@@ -11,8 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from ringft.ops.kernels import BlockAttention, accumulator_dtype, default_scale, get_backend
-from ringft.ops.zigzag import backward_block, forward_block
+from ringft.ops.documents import DocumentPlan, document_plan
+from ringft.ops.dtypes import accumulator_dtype
+from ringft.ops.kernels import BlockAttention, default_softmax_scale, get_backend
+from ringft.ops.zigzag_blocks import backward_block, forward_block
 from ringft.sharding import zigzag_shard, zigzag_unshard
 
 Tensor = torch.Tensor
@@ -26,15 +28,17 @@ def run_schedule(
     douts: list[Tensor] | None,
     *,
     causal: bool,
-    scale: float,
+    softmax_scale: float,
     ranks: list[int] | None = None,
     timer: Callable[[int, Callable[[], None]], None] | None = None,
+    plans: list[DocumentPlan] | None = None,
 ):
     """The ring schedule of every rank on per-rank shards ``(batch, seq_local, heads, dim)``.
 
     Returns per-rank ``outs``, ``lses`` and (when ``douts``) ``dqs`` and ``dkvs`` (dK/dV of each
     rank's own block, summed over all ranks). ``timer(rank, fn)`` may wrap each rank's forward and
-    backward work (used by the benchmarks to time ranks one by one).
+    backward work (used by the benchmarks to time ranks one by one). ``plans[r]``: rank ``r``'s
+    packed-document plan (:func:`ringft.ops.documents.document_plan`), if any.
     """
     n = len(qs)
     ranks = list(range(n)) if ranks is None else ranks
@@ -57,7 +61,8 @@ def run_schedule(
                 source=src,
                 rank=rank,
                 causal=causal,
-                scale=scale,
+                softmax_scale=softmax_scale,
+                documents=None if plans is None else plans[rank],
             )
         outs[rank], lses[rank] = out.to(qs[rank].dtype), lse
 
@@ -72,7 +77,7 @@ def run_schedule(
     def backward(rank: int) -> None:
         for step in range(n):
             src = (rank - step) % n
-            dk_b, dv_b, part = backward_block(
+            pieces = backward_block(
                 kernel,
                 douts[rank],
                 qs[rank],
@@ -85,10 +90,12 @@ def run_schedule(
                 source=src,
                 rank=rank,
                 causal=causal,
-                scale=scale,
+                softmax_scale=softmax_scale,
+                documents=None if plans is None else plans[rank],
             )
-            dkvs[src][0][:, part].add_(dk_b)
-            dkvs[src][1][:, part].add_(dv_b)
+            for rows, part, dk_b, dv_b in pieces:
+                dkvs[src][0][rows, part].add_(dk_b)
+                dkvs[src][1][rows, part].add_(dv_b)
 
     for rank in ranks:
         timer(rank, lambda rank=rank: backward(rank))
@@ -99,23 +106,30 @@ def emulate_zigzag_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    world_size: int,
+    cp_size: int,
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
     dout: Tensor | None = None,
+    cu_seqlens: list[list[int]] | None = None,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
-    """Emulate ``world_size`` ranks on the *global* ``q``/``k``/``v`` ``(batch, seq, heads, dim)``.
+    """Emulate ``cp_size`` ranks on the *global* ``q``/``k``/``v`` ``(batch, seq, heads, dim)``.
 
     Returns ``(out, lse, grads)`` in global order; ``grads = (dq, dk, dv)`` when ``dout`` is given.
+    ``cu_seqlens``: packed documents, as for :func:`ringft.ops.zigzag_ring_attention`.
     """
-    kernel = get_backend(backend, q.device)
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    n = world_size
+    kernel = get_backend(backend, q.device, q.dtype)
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    n = cp_size
     qs, ks, vs = ([zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v))
     douts = None if dout is None else [zigzag_shard(dout, r, n) for r in range(n)]
-    outs, lses, dqs, dkvs = run_schedule(kernel, qs, ks, vs, douts, causal=causal, scale=scale)
+    plans = None
+    if cu_seqlens is not None:
+        plans = [document_plan(cu_seqlens, q.shape[1], r, n, batch=q.shape[0]) for r in range(n)]
+    outs, lses, dqs, dkvs = run_schedule(
+        kernel, qs, ks, vs, douts, causal=causal, softmax_scale=scale, plans=plans
+    )
     out = zigzag_unshard([outs[r] for r in range(n)])
     lse = zigzag_unshard([lses[r] for r in range(n)], dim=2)
     grads = None

@@ -22,3 +22,20 @@ def full_attention_fp64(q, k, v, causal: bool, scale: float | None = None):
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
     return out, lse
+
+
+def per_document_attention_fp64(q, k, v, cu_seqlens):
+    """Each document of each row separately through :func:`full_attention_fp64` (causal).
+
+    q (B, S, Hq, D), k/v (B, S, Hkv, D), ``cu_seqlens`` one list of global offsets per row ->
+    out (B, S, Hq, D) fp64, lse (B, Hq, S) fp64. Differentiable.
+    """
+    outs, lses = [], []
+    for b, cu in enumerate(cu_seqlens):
+        pieces = [
+            full_attention_fp64(q[b : b + 1, x:y], k[b : b + 1, x:y], v[b : b + 1, x:y], True)
+            for x, y in zip(cu, cu[1:])
+        ]
+        outs.append(torch.cat([p[0] for p in pieces], dim=1))
+        lses.append(torch.cat([p[1] for p in pieces], dim=2))
+    return torch.cat(outs), torch.cat(lses)

@@ -1,144 +1,34 @@
-"""Contract test of the flash_attn adapter, with a stand-in for flash-attn (CUDA-only, not here).
+"""Contract test of the flash_attn adapter against stand-ins of every flash-attn generation.
 
-The stand-in enforces flash-attn 2's calling contract: q/k/v/out (batch, seq, heads, head_dim)
-contiguous, head_dim a multiple of 8, GQA heads native, softmax_lse (batch, heads, seq) fp32, and
-the >= 2.6 keyword signature (or the 2.4-2.5 one). It computes with plain fp64 math, so the test
-also checks that the adapter maps its arguments and the lse layout back correctly.
+flash-attn is CUDA-only and not installable here; ``tests/flash_stubs.py`` reproduces the exact
+signatures and return tuples of ``_flash_attn_forward`` / ``_flash_attn_backward`` in releases
+2.4.0, 2.4.x-2.5.x, 2.6.x and 2.7.x-2.8.x (the latter as ``torch.library.custom_op`` like upstream)
+and computes with fp64 math, so the test checks that the adapter calls each one right and maps its
+results (out, lse layout, gradients) back correctly.
+Tolerance 1e-6: fp64 throughout except the fp32 lse (rel. eps 6e-8 on values O(1-10)).
 """
 
 from __future__ import annotations
 
 import inspect
-import types
+import warnings
 
 import pytest
 import torch
 
-from ringft.ops.kernels import FlashAttnBackend, get_backend
+from ringft.ops import kernels
+from ringft.ops.flash_backend import FLASH_API, flash_api_for, parse_version
+from ringft.ops.kernels import FlashAttnBackend, auto_backend_choice, get_backend
+from tests.flash_stubs import TESTED_VERSIONS, make_stub, stub_2_6
 from tests.oracle import full_attention_fp64
 
 
-def _check_layout(*tensors):
-    for t in tensors:
-        assert t.dim() == 4 and t.is_contiguous() and t.shape[-1] % 8 == 0, t.shape
-
-
-def _reference(q, k, v, causal, scale):
-    # Padded trailing head-dim entries are zero, so they change neither scores nor values.
-    return full_attention_fp64(q, k, v, causal, scale)
-
-
-def make_stub(new_signature: bool):
-    calls = []
-
-    def fwd_new(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size_left,
-        window_size_right,
-        softcap,
-        alibi_slopes,
-        return_softmax,
-    ):
-        _check_layout(q, k, v)
-        assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
-        out, lse = _reference(q, k, v, causal, softmax_scale)
-        calls.append(("fwd", q.shape, k.shape))
-        return out.to(q.dtype), lse.float(), None, None
-
-    def fwd_old(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
-        assert tuple(window_size) == (-1, -1)
-        out, lse, _, _ = fwd_new(q, k, v, dropout_p, softmax_scale, causal, -1, -1, 0.0, None, False)
-        return out, q, k, v, out, lse, None, None
-
-    def bwd_new(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        softmax_lse,
-        dq,
-        dk,
-        dv,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size_left,
-        window_size_right,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        rng_state=None,
-    ):
-        _check_layout(dout, q, k, v, out, dq, dk, dv)
-        assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == q.shape[:1] + (
-            q.shape[2],
-            q.shape[1],
-        )
-        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-        o, _ = _reference(qd, kd, vd, causal, softmax_scale)
-        gq, gk, gv = torch.autograd.grad(o, (qd, kd, vd), dout.double())
-        dq.copy_(gq), dk.copy_(gk), dv.copy_(gv)
-        calls.append(("bwd", q.shape, k.shape))
-
-    def bwd_old(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        softmax_lse,
-        dq,
-        dk,
-        dv,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        rng_state=None,
-    ):
-        bwd_new(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            softmax_lse,
-            dq,
-            dk,
-            dv,
-            dropout_p,
-            softmax_scale,
-            causal,
-            -1,
-            -1,
-            0.0,
-            alibi_slopes,
-            deterministic,
-            rng_state,
-        )
-
-    module = types.SimpleNamespace(
-        _flash_attn_forward=fwd_new if new_signature else fwd_old,
-        _flash_attn_backward=bwd_new if new_signature else bwd_old,
-        calls=calls,
-    )
-    return module
-
-
-@pytest.mark.parametrize("new_signature", [True, False])
+@pytest.mark.parametrize("version", TESTED_VERSIONS)
 @pytest.mark.parametrize("head_dim", [64, 20])  # 20 exercises zero-padding to a multiple of 8
 @pytest.mark.parametrize("causal", [True, False])
-def test_flash_adapter_contract(new_signature, head_dim, causal):
-    stub = make_stub(new_signature)
-    backend = FlashAttnBackend(module=stub)
+def test_flash_adapter_contract(version, head_dim, causal):
+    calls: list = []
+    backend = FlashAttnBackend(module=make_stub(version, calls), version=version)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 12, 4, head_dim, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 12, 2, head_dim, generator=gen, dtype=torch.float64)
@@ -157,11 +47,69 @@ def test_flash_adapter_contract(new_signature, head_dim, causal):
     for got, want in zip((dq, dk, dv), torch.autograd.grad(ro, (qd, kd, vd), dout)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     # K/V reach the kernel with their own (fewer) heads: never expanded.
-    assert [c[2][2] for c in stub.calls] == [2, 2]
+    assert [c[0] for c in calls] == ["fwd", "bwd"] and [c[2][2] for c in calls] == [2, 2]
+
+
+def test_generation_by_version_and_schema():
+    assert parse_version("2.7.4.post1+cu12torch2.6") == (2, 7, 4)
+    expected = {
+        "2.4.0": "2.4.0",
+        "2.4.2": "2.4.1",
+        "2.5.9": "2.4.1",
+        "2.6.3": "2.6",
+        "2.7.0": "2.7",
+        "2.8.3": "2.7",
+    }
+    for version, key in expected.items():
+        stub = make_stub(version, [])
+        assert flash_api_for(version, stub._flash_attn_forward, stub._flash_attn_backward) is FLASH_API[key]
+    # A 2.9 with the 2.7 signature is recognised by its schema; one with another signature is refused.
+    stub = make_stub("2.8.3", [])
+    assert flash_api_for("2.9.1", stub._flash_attn_forward, stub._flash_attn_backward) is FLASH_API["2.7"]
+    old = stub_2_6([])
+    with pytest.raises(RuntimeError, match="flash-attn 2.7.0: _flash_attn_forward.*pip install"):
+        flash_api_for("2.7.0", old._flash_attn_forward, old._flash_attn_backward)
+    with pytest.raises(RuntimeError, match="2.3.6 is too old"):
+        flash_api_for("2.3.6", old._flash_attn_forward, old._flash_attn_backward)
+
+
+def test_auto_choice_reasons():
+    kw = dict(flash_installed=True, flash_import_error=None, capability=(9, 0))
+    assert auto_backend_choice("cuda", torch.bfloat16, **kw) == ("flash_attn", None)
+    assert auto_backend_choice("cpu", torch.bfloat16, **kw) == ("torch", None)
+    assert auto_backend_choice("cuda", torch.bfloat16, **{**kw, "flash_installed": False}) == ("torch", None)
+    name, reason = auto_backend_choice("cuda", torch.float32, **kw)
+    assert name == "torch" and "fp16/bf16" in reason and "float32" in reason
+    name, reason = auto_backend_choice(
+        "cuda", torch.float16, **{**kw, "flash_import_error": "ImportError: x"}
+    )
+    assert name == "torch" and "does not import (ImportError: x)" in reason
+    name, reason = auto_backend_choice("cuda", torch.float16, **{**kw, "capability": (7, 5)})
+    assert name == "torch" and "sm75" in reason
+
+
+def test_auto_warns_once_per_reason(monkeypatch):
+    monkeypatch.setattr(FlashAttnBackend, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(kernels, "_flash_import_error", lambda: None)
+    monkeypatch.setattr(kernels, "_capability", lambda index: (7, 0))
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    cuda = torch.device("cuda")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert get_backend("auto", cuda, torch.bfloat16).name == "torch"
+    assert len(seen) == 1 and "sm70" in str(seen[0].message)
+    monkeypatch.setattr(kernels, "_capability", lambda index: (8, 0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert get_backend("auto", cuda, torch.bfloat16).name == "flash_attn"
+        assert get_backend("auto", cuda, torch.float32).name == "torch"
+        assert get_backend("auto", cuda, torch.float32).name == "torch"
+    assert len(seen) == 1 and "float32" in str(seen[0].message)
 
 
 def test_flash_adapter_checks():
-    backend = FlashAttnBackend(module=make_stub(True))
+    backend = FlashAttnBackend(module=make_stub("2.8.3", []), version="2.8.3")
     assert "CUDA" in backend.check(torch.zeros(1, 2, 1, 8))
     if not FlashAttnBackend.is_available():
         assert "not installed" in FlashAttnBackend().check(torch.zeros(1, 2, 1, 8))
@@ -175,3 +123,36 @@ def test_flash_adapter_is_lazy():
     src = inspect.getsource(FlashAttnBackend.__init__)
     assert "import" not in src
     FlashAttnBackend()
+
+
+@pytest.mark.parametrize("version", TESTED_VERSIONS)
+def test_flash_varlen_in_document_schedule(version):
+    """Packed documents through the flash adapter's varlen path (step 0) and dense path (later
+    steps) inside the emulated 3-rank ring, against each document run separately."""
+    from ringft.emulate import run_schedule
+    from ringft.ops.documents import document_plan
+    from ringft.sharding import zigzag_shard, zigzag_unshard
+    from tests.oracle import per_document_attention_fp64
+
+    calls: list = []
+    backend = FlashAttnBackend(module=make_stub(version, calls), version=version)
+    n, seq, cu = 3, 36, [[0, 5, 17, 30, 36], [0, 2, 36]]
+    gen = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(2, seq, 4, 20, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, seq, 2, 20, generator=gen, dtype=torch.float64) for _ in range(2))
+    shards = [[zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v, dout)]
+    plans = [document_plan(cu, seq, r, n) for r in range(n)]
+    outs, lses, dqs, dkvs = run_schedule(backend, *shards, causal=True, softmax_scale=20**-0.5, plans=plans)
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = per_document_attention_fp64(qd, kd, vd, cu)
+    ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), dout)
+    got = (
+        zigzag_unshard([outs[r] for r in range(n)]),
+        zigzag_unshard([lses[r] for r in range(n)], dim=2),
+        zigzag_unshard([dqs[r] for r in range(n)]),
+        zigzag_unshard([g[0] for g in dkvs]),
+        zigzag_unshard([g[1] for g in dkvs]),
+    )
+    for g, want in zip(got, (ref_out, ref_lse, *ref_grads)):
+        torch.testing.assert_close(g.double(), want.detach(), rtol=1e-6, atol=1e-6)
+    assert {c[0] for c in calls} >= {"varlen_fwd", "varlen_bwd", "fwd", "bwd"}

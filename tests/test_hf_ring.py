@@ -123,16 +123,84 @@ def equivalence_worker(rank: int, world: int) -> dict[str, float]:
     ref = get_peft_model(base, lora)
     model = apply_ring_attention(copy.deepcopy(ref))
     errors.update(_compare(model, ref, batch, full, rank, world, "llama-lora"))
+    errors.update(_autocast_errors(collator, rank, world))
+    errors["gathers/forward+backward"] = _count_all_gathers(collator)
     return errors
 
 
+def _autocast_errors(collator, rank: int, world: int) -> dict[str, float]:
+    """fp32 weights under CPU bf16 autocast (model.dtype fp32 + mixed_precision bf16): the ring
+    follows autocast like SDPA. Errors against the fp32 model, next to one-process SDPA's."""
+    examples = ragged_examples(6)
+    batch, full = collator(examples), collator.global_batch(examples)
+    ref = tiny_model("llama")
+    sdpa = copy.deepcopy(ref)
+    sdpa.set_attn_implementation("sdpa")
+    model = apply_ring_attention(copy.deepcopy(ref))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ring_logits = zigzag_gather(model(**batch).logits.detach()).float()
+        sdpa_logits = sdpa(input_ids=full["input_ids"]).logits.detach().float()
+    with torch.no_grad():
+        exact = ref(input_ids=full["input_ids"]).logits
+    return {
+        "autocast/ring": (ring_logits - exact).abs().max().item(),
+        "autocast/sdpa": (sdpa_logits - exact).abs().max().item(),
+        "autocast/scale": exact.abs().max().item(),
+    }
+
+
+def _count_all_gathers(collator) -> float:
+    """all_gather calls in one forward + backward of a 2-layer model with gradient checkpointing:
+    the inputs are validated once per forward (the pre-hook), not in every layer or recompute."""
+    examples = ragged_examples(7)
+    batch = collator(examples)
+    model = apply_ring_attention(tiny_model("llama"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    real, count = dist.all_gather, [0]
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        model(**batch).loss.backward()
+    finally:
+        dist.all_gather = real
+    return float(count[0])
+
+
+@pytest.mark.numerics
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_models_on_ring_match_one_process(world):
     for errors in run_distributed(equivalence_worker, world, timeout=240):
+        autocast = {k.split("/")[1]: errors.pop(k) for k in list(errors) if k.startswith("autocast/")}
+        # bf16 autocast: the ring may be at most 2x one-process SDPA's error against the fp32 model,
+        # plus one bf16 rounding (2^-8 relative) of the largest logit; the old ring raised instead.
+        limit = 2 * autocast["sdpa"] + autocast["scale"] * 2**-8
+        assert autocast["ring"] <= limit, f"CP={world} autocast: {autocast}"
+        # One validation all_gather per forward; the old code did one per layer call (2 layers,
+        # forward + checkpoint recompute = 4).
+        assert errors.pop("gathers/forward+backward") == 1
         for name, err in errors.items():
             limit = {"loss": 1e-6, "logits": 1e-5, "grad": 1e-5}[name.split("/")[1]]
             assert err <= limit, f"CP={world} {name}: {err:.2e} > {limit:.0e}"
+
+
+# RoPE types whose frequencies follow the largest position a rank sees (not exact under zigzag).
+ROPE_INEXACT = {
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+    },
+}
 
 
 def errors_worker(rank: int, world: int) -> dict[str, str]:
@@ -157,6 +225,19 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
     attempt("positions", lambda: model(**no_pos))
     window = apply_ring_attention(tiny_model("mistral", sliding_window=16))
     attempt("window", lambda: window(**batch))
+    # Rank 1 gets a longer batch than rank 0: every rank raises (no hang in the ring).
+    skewed = RingDataCollator(rank, world, pad_token_id=0)(ragged_examples(1, lengths=(40, 40 + 8 * rank)))
+    attempt("skewed", lambda: model(**skewed))
+    odd = {
+        k: v[:, :-1] if k in ("input_ids", "position_ids", "labels", "shift_labels") else v
+        for k, v in batch.items()
+    }
+    attempt("odd", lambda: model(**odd))
+    for kind, extra in ROPE_INEXACT.items():
+        attempt(
+            f"rope-{kind}",
+            lambda extra=extra: apply_ring_attention(tiny_model("llama", rope_parameters=extra)),
+        )
     # The group still works after the errors.
     model(**batch)
     return seen
@@ -168,6 +249,10 @@ def test_bad_inputs_raise_on_every_rank():
         assert "padding attention masks" in seen["padding"]
         assert "position ids" in seen["positions"]
         assert "sliding_window=16" in seen["window"] and "sliding_window = None" in seen["window"]
+        assert "same batch and seq_local" in seen["skewed"], seen["skewed"]
+        assert "must be even" in seen["odd"]
+        for kind in ROPE_INEXACT:
+            assert f"rope_type={kind!r}" in seen[f"rope-{kind}"] and "cp_size 1" in seen[f"rope-{kind}"]
 
 
 def test_unsupported_model_and_all_ones_mask():
@@ -224,3 +309,14 @@ def test_collator_shifts_before_sharding():
     assert all(int(b["num_items_in_batch"]) == expected for b in batches)
     with pytest.raises(ValueError, match="cp_rank"):
         RingDataCollator(3, 3, pad_token_id=0)
+
+
+def test_position_dependent_rope_is_exact_on_one_rank():
+    # With one rank every token's position is seen together, as in one process: allowed and exact.
+    for kind, rope in ROPE_INEXACT.items():
+        ref = tiny_model("llama", rope_parameters=rope, max_position_embeddings=16)
+        model = apply_ring_attention(copy.deepcopy(ref))
+        ids = torch.randint(1, VOCAB, (1, 40))  # beyond max_position_embeddings: scaled frequencies
+        with torch.no_grad():
+            got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=kind)

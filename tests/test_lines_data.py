@@ -31,7 +31,7 @@ from ringft.lines import (
     target_index_for_depth,
     unique_names,
 )
-from ringft.lines.text import _RecordStream
+from ringft.lines.text import RecordStream
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION_RE = re.compile(
@@ -64,7 +64,7 @@ def parse_prompt(prompt: str) -> tuple[list[tuple[str, int]], str]:
 def next_line_prompt(tokenizer, case: LineCase) -> str:
     """The prompt the generator would build with one more line (same seed and depth)."""
     num_words = case.target_line.count("-") + 1
-    stream = _RecordStream(case.seed, num_words)
+    stream = RecordStream(case.seed, num_words)
     stream.ensure(case.num_lines + 1)
     n = case.num_lines + 1
     idx = target_index_for_depth(case.depth, n)
@@ -179,6 +179,33 @@ def test_length_with_non_additive_tokenizer(merging_tok, target):
     assert len(encode_prompt(merging_tok, case.prompt)) == case.num_tokens <= target
     assert len(encode_prompt(merging_tok, next_line_prompt(merging_tok, case))) > target
     parse_prompt(case.prompt)
+
+
+class CountingTokenizer:
+    """Delegates to a tokenizer and counts whole-prompt tokenizations (single-string calls)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.full_prompts = tokenizer, 0
+
+    def __call__(self, text, **kwargs):
+        self.full_prompts += isinstance(text, str)
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.timeout(120)
+def test_length_search_is_a_bisection_over_prefix_sums(tok, merging_tok):
+    """Additive tokenizer: the prefix-sum guess is right, confirmed by 3 full tokenizations (one line,
+    the guess, one more line). Non-additive: a few more, growing with log2 of the guess's error."""
+    for target in (1000, 20000):
+        counting = CountingTokenizer(tok)
+        case = make_line_case(counting, target, 0.5, seed=target)
+        assert counting.full_prompts == 3 and case.num_tokens <= target
+    counting = CountingTokenizer(merging_tok)
+    case = make_line_case(counting, 6000, 0.5, seed=1)
+    assert case.num_tokens <= 6000 and counting.full_prompts <= 3 + 2 * 10
 
 
 @pytest.mark.timeout(120)

@@ -64,8 +64,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return _make_tokenizer()
 
 
-def _check_packed(packed: datasets.Dataset, summary, docs: list[str], seq_len: int,
-                  add_eos: bool = True) -> None:
+def _check_packed(
+    packed: datasets.Dataset, summary, docs: list[str], seq_len: int, add_eos: bool = True
+) -> None:
     stream = _expected_stream(docs, add_eos)
     n_seq = len(stream) // seq_len
     assert summary.documents == len(docs)
@@ -109,9 +110,7 @@ def _rows(packed: datasets.Dataset) -> list[list[int]]:
 @pytest.mark.parametrize("seq_len", [1, 7, 16, 64])
 def test_pack_in_memory_exact(tokenizer, tmp_path, seq_len):
     ds = datasets.Dataset.from_dict({"text": DOCS, "other": list(range(len(DOCS)))})
-    packed, summary = packing.pack_dataset(
-        ds, tokenizer, seq_len, batch_size=4, cache_dir=str(tmp_path)
-    )
+    packed, summary = packing.pack_dataset(ds, tokenizer, seq_len, batch_size=4, cache_dir=str(tmp_path))
     _check_packed(packed, summary, DOCS, seq_len)
     assert str(summary).startswith(f"packed {len(DOCS)} documents")
     assert "\n" not in str(summary)
@@ -123,9 +122,7 @@ def test_pack_without_eos_and_empty_docs(tokenizer, tmp_path):
     ds = datasets.Dataset.from_dict({"text": docs})
     packed, summary = packing.pack_dataset(ds, tokenizer, 5, cache_dir=str(tmp_path))
     _check_packed(packed, summary, [d or "" for d in docs], 5)
-    packed, summary = packing.pack_dataset(
-        ds, tokenizer, 5, add_eos=False, cache_dir=str(tmp_path)
-    )
+    packed, summary = packing.pack_dataset(ds, tokenizer, 5, add_eos=False, cache_dir=str(tmp_path))
     _check_packed(packed, summary, [d or "" for d in docs], 5, add_eos=False)
 
 
@@ -172,9 +169,7 @@ def test_load_corpus_formats(tokenizer, tmp_path, kind):
     results = []
     for streaming in (False, True):
         corpus = packing.load_corpus(str(src), streaming=streaming, cache_dir=cache)
-        assert isinstance(
-            corpus, datasets.IterableDataset if streaming else datasets.Dataset
-        )
+        assert isinstance(corpus, datasets.IterableDataset if streaming else datasets.Dataset)
         packed, summary = packing.pack_dataset(corpus, tokenizer, 8, cache_dir=cache)
         _check_packed(packed, summary, DOCS, 8)
         results.append((_rows(packed), summary))
@@ -207,9 +202,7 @@ def test_num_proc_and_max_documents(tokenizer, tmp_path):
     )
     _check_packed(packed, summary, DOCS, 6)
     for corpus in (ds, ds.to_iterable_dataset()):
-        packed, summary = packing.pack_dataset(
-            corpus, tokenizer, 6, max_documents=7, cache_dir=str(tmp_path)
-        )
+        packed, summary = packing.pack_dataset(corpus, tokenizer, 6, max_documents=7, cache_dir=str(tmp_path))
         _check_packed(packed, summary, DOCS[:7], 6)
 
 
@@ -244,7 +237,9 @@ def test_load_corpus_errors(tmp_path):
     for streaming in (False, True):
         with pytest.raises(ValueError, match=r"'content' not found.*'id', 'text'"):
             packing.load_corpus(
-                str(src), text_column="content", streaming=streaming,
+                str(src),
+                text_column="content",
+                streaming=streaming,
                 cache_dir=str(tmp_path / "cache"),
             )
 
@@ -280,8 +275,17 @@ def test_cli_main_writes_loadable_dataset(tokenizer, tmp_path, capsys):
     src = _write_corpus("jsonl", tmp_path, DOCS)
     out = tmp_path / "out" / "packed"
     argv = [
-        "--tokenizer", str(tok_dir), "--source", str(src), "--seq-len", "12",
-        "--output", str(out), "--cache-dir", str(tmp_path / "cache"), "--streaming",
+        "--tokenizer",
+        str(tok_dir),
+        "--source",
+        str(src),
+        "--seq-len",
+        "12",
+        "--output",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--streaming",
     ]
     cli = _load_cli()
     assert cli.main(argv) == 0
@@ -308,11 +312,20 @@ def test_cli_subprocess_clean_errors(tokenizer, tmp_path):
     tok_dir = tmp_path / "tok"
     tokenizer.save_pretrained(str(tok_dir))
     src = _write_corpus("jsonl", tmp_path, DOCS)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     cmd = [
-        sys.executable, str(CLI_PATH), "--tokenizer", str(tok_dir), "--source", str(src),
-        "--seq-len", "8", "--output", str(tmp_path / "out"), "--text-column", "content",
+        sys.executable,
+        str(CLI_PATH),
+        "--tokenizer",
+        str(tok_dir),
+        "--source",
+        str(src),
+        "--seq-len",
+        "8",
+        "--output",
+        str(tmp_path / "out"),
+        "--text-column",
+        "content",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=110)
     assert proc.returncode == 1
@@ -334,8 +347,104 @@ def test_load_corpus_hub_name_dispatch(monkeypatch):
     monkeypatch.setattr(packing.datasets, "load_dataset", fake_load_dataset)
     ds = packing.load_corpus("some-org/some-corpus", split="validation", streaming=True)
     assert ds["text"][:] == ["the dog"]
-    assert calls == [
-        ("some-org/some-corpus", {"split": "validation", "streaming": True, "cache_dir": None})
-    ]
+    assert calls == [("some-org/some-corpus", {"split": "validation", "streaming": True, "cache_dir": None})]
     with pytest.raises(ValueError, match=r"'body' not found.*'text', 'meta'"):
         packing.load_corpus("some-org/some-corpus", text_column="body")
+
+
+@pytest.mark.timeout(120)
+def test_cli_checks_the_source_first_and_accepts_the_demo_tokenizer(tmp_path, capsys, monkeypatch):
+    """Issue 11: a missing --source failed only after trying the hub for the tokenizer 'demo'."""
+    cli = _load_cli()
+
+    def no_tokenizer(name, **kwargs):
+        raise AssertionError(f"tokenizer {name!r} loaded before the source was checked")
+
+    monkeypatch.setattr(cli, "load_tokenizer", no_tokenizer)
+    missing, out = tmp_path / "nonexistent.jsonl", str(tmp_path / "o")
+    argv = ["--tokenizer", "demo", "--source", str(missing), "--seq-len", "16", "--output", out]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: no such file or directory: {str(missing)!r}"
+    assert not (tmp_path / "o").exists()
+
+    monkeypatch.undo()
+    from ringft.demo_tokenizer import load_tokenizer
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("asked the hub for a path-like tokenizer name")
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", no_hub)
+    src = _write_corpus("jsonl", tmp_path, DOCS)
+    bad_tok = ["--tokenizer", str(tmp_path / "no-tok"), "--source", str(src), "--seq-len", "16"]
+    assert cli.main([*bad_tok, "--output", out]) == 1
+    assert "no such folder" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+    argv = ["--tokenizer", "demo", "--source", str(src), "--seq-len", "16", "--output", out]
+    assert cli.main(argv) == 0  # the shipped tokenizer: no download
+    demo = load_tokenizer("demo")
+    rows = datasets.load_from_disk(str(tmp_path / "o"))["input_ids"]
+    stream = [t for d in DOCS for t in demo(d, add_special_tokens=False)["input_ids"] + [demo.eos_token_id]]
+    assert [t for r in rows for t in r] == stream[: len(rows) * 16] and len(rows) == len(stream) // 16
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seq_len", [7, 16])
+def test_pack_with_document_offsets(tokenizer, tmp_path, seq_len):
+    """--document-masking: each row carries its document offsets; a document cut by a row start
+    continues as its own document; the rows themselves are unchanged; the collator turns the
+    offsets into per-document positions and labels."""
+    from ringft.data.collator import RingDataCollator
+
+    ds = datasets.Dataset.from_dict({"text": DOCS})
+    plain, _ = packing.pack_dataset(ds, tokenizer, seq_len, batch_size=4, cache_dir=str(tmp_path / "a"))
+    packed, summary = packing.pack_dataset(
+        ds, tokenizer, seq_len, batch_size=4, cache_dir=str(tmp_path / "b"), document_masking=True
+    )
+    assert packed.column_names == ["input_ids", "cu_seqlens"]
+    assert packed["input_ids"][:] == plain["input_ids"][:]
+    starts, at = set(), 0
+    for d in DOCS:
+        starts.add(at)
+        at += len(_ids(d)) + 1
+    for i, cu in enumerate(packed["cu_seqlens"]):
+        want = sorted({0, seq_len} | {s - i * seq_len for s in starts if i * seq_len < s < (i + 1) * seq_len})
+        assert cu == want, (i, cu, want)
+    example = {"input_ids": packed["input_ids"][0], "cu_seqlens": packed["cu_seqlens"][0]}
+    collator = RingDataCollator(0, 1, pad_token_id=0, max_length=16, document_masking=True)
+    batch = collator.global_batch([example])
+    cu = example["cu_seqlens"]
+    for a, b in zip(cu, cu[1:]):
+        assert batch["position_ids"][0, a:b].tolist() == list(range(b - a))
+        assert batch["shift_labels"][0, b - 1] == -100  # the last token of a document predicts nothing
+        assert batch["shift_labels"][0, a : b - 1].tolist() == example["input_ids"][a + 1 : b]
+    with pytest.raises(ValueError, match="no 'cu_seqlens'"):
+        RingDataCollator(0, 1, pad_token_id=0, document_masking=True)([{"input_ids": [1, 2]}])
+
+
+def test_pack_examples_keeps_each_example_whole_with_its_offsets():
+    """SFT examples (prompt labels -100) packed best-fit decreasing into rows with cu_seqlens: every
+    example appears once, whole and contiguous, with its own labels; rows fit seq_len; with
+    cp_size > 1 the order inside a row is balanced (any order is exact)."""
+    import random
+
+    gen = random.Random(3)
+    lengths = [gen.randint(1, 40) for _ in range(30)]
+    ids = [[gen.randrange(3, 200) for _ in range(n)] for n in lengths]
+    labels = [[-100] * (n // 2) + x[n // 2 :] for n, x in zip(lengths, ids)]
+    examples = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    for cp_size in (1, 4):
+        packed, padding = packing.pack_examples(examples, 48, cp_size=cp_size)
+        assert packed.column_names == ["input_ids", "labels", "cu_seqlens"]
+        found = []
+        for row, lab, cu in zip(packed["input_ids"], packed["labels"], packed["cu_seqlens"]):
+            assert cu[0] == 0 and cu[-1] == len(row) == len(lab) <= 48
+            found += [(tuple(row[a:b]), tuple(lab[a:b])) for a, b in zip(cu, cu[1:])]
+        assert sorted(found) == sorted(zip(map(tuple, ids), map(tuple, labels)))
+        optimum_bound = -(-sum(lengths) // 48)
+        assert len(packed) <= 11 / 9 * optimum_bound + 6 / 9  # best-fit decreasing's guarantee
+        assert padding == pytest.approx(1 - sum(lengths) / (len(packed) * 48))
+    unlabeled, _ = packing.pack_examples(examples.remove_columns("labels"), 48)
+    assert unlabeled["labels"] == unlabeled["input_ids"]
+    with pytest.raises(ValueError, match="1 examples are longer than seq_len=32 .*example 0, 33 tokens"):
+        packing.pack_examples(datasets.Dataset.from_dict({"input_ids": [[1] * 33, [1]]}), 32)

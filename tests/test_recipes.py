@@ -40,9 +40,12 @@ FULL_FT = ["deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
 # must match exactly one entry, so a new recipe has to say how it is launched.
 LAUNCH = [
     ("demo_cpu.yaml", ["cpu_2proc.yaml"]),
+    ("demo/base.yaml", []),  # one process, no launcher: `python -m ringft train recipes/demo/base.yaml`
+    ("demo/extend.yaml", ["cpu_2proc.yaml"]),
     ("llama3_8b_512k/stage?_*k.yaml", FULL_FT),
     ("mistral_7b_512k/stage?_*k.yaml", FULL_FT),
     ("llama3_8b_512k/stage4_512k_lora.yaml", ["1node_8gpu.yaml", "2node_8gpu.yaml"]),
+    ("smollm2_32k/stage?_*k.yaml", ["1node_8gpu.yaml"]),  # run.sh: --num_processes NUM_GPUS (default 1)
 ]
 # Recipes written for these wrappers (stricter checks than the demo's).
 STAGE_NAMES = ("stage1_64k", "stage2_128k", "stage3_256k", "stage4_512k")
@@ -160,7 +163,9 @@ def test_lora_recipe(tmp_path):
     assert "lm_head" not in r.lora.target_modules, "the chunked loss cannot see an adapter on lm_head"
     assert r.model.name_or_path == f"{stage3.checkpoint.output_dir}/final"
     assert (r.data.path, r.data.seq_len, r.model.rope_theta) == (
-        stage4.data.path, stage4.data.seq_len, stage4.model.rope_theta
+        stage4.data.path,
+        stage4.data.seq_len,
+        stage4.model.rope_theta,
     )
     assert r.checkpoint.output_dir not in (stage3.checkpoint.output_dir, stage4.checkpoint.output_dir)
     # on two nodes (dp 2 x cp 8) the header's --train.grad_accum 1 keeps ~1M tokens per step
@@ -177,26 +182,57 @@ def test_mistral_disables_sliding_window(name):
 def test_every_key_is_commented(name):
     """Each `key: value` line carries a comment saying why (section headers need none)."""
     bare = [
-        line for line in (RECIPES / name).read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":")
+        line
+        for line in (RECIPES / name).read_text().splitlines()
+        if line.strip()
+        and not line.lstrip().startswith("#")
+        and not line.rstrip().endswith(":")
         and "#" not in line
     ]
     assert not bare, f"uncommented keys in {name}: {bare}"
 
 
+def test_recipes_are_self_contained():
+    """Nothing under recipes/ points outside the repository (a design file, this machine's paths)."""
+    for path in sorted(RECIPES.rglob("*")):
+        if path.is_file():
+            text = path.read_text()
+            for needle in ("/" + "work/", "../shared", "DESIGN.md"):  # (built so this file names none)
+                assert needle not in text, f"{rel(path)} refers to {needle!r}, which is not in the repository"
+
+
 # -- accelerate launch configs --------------------------------------------------------------------
 
-BASE_KEYS = {"compute_environment", "distributed_type", "num_machines", "num_processes", "machine_rank",
-             "mixed_precision", "main_process_port", "rdzv_backend"}
+BASE_KEYS = {
+    "compute_environment",
+    "distributed_type",
+    "num_machines",
+    "num_processes",
+    "machine_rank",
+    "mixed_precision",
+    "main_process_port",
+    "rdzv_backend",
+}
 EXPECTED = {
     "cpu_2proc.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 2, "use_cpu": True},
-    "1node_8gpu.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 8, "num_machines": 1,
-                        "mixed_precision": "bf16"},
-    "2node_8gpu.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 16, "num_machines": 2,
-                        "mixed_precision": "bf16"},
+    "1node_8gpu.yaml": {
+        "distributed_type": "MULTI_GPU",
+        "num_processes": 8,
+        "num_machines": 1,
+        "mixed_precision": "bf16",
+    },
+    "2node_8gpu.yaml": {
+        "distributed_type": "MULTI_GPU",
+        "num_processes": 16,
+        "num_machines": 2,
+        "mixed_precision": "bf16",
+    },
     "deepspeed_zero3.yaml": {"distributed_type": "DEEPSPEED", "num_processes": 8, "mixed_precision": "bf16"},
-    "deepspeed_zero3_offload.yaml": {"distributed_type": "DEEPSPEED", "num_processes": 8,
-                                     "mixed_precision": "bf16"},
+    "deepspeed_zero3_offload.yaml": {
+        "distributed_type": "DEEPSPEED",
+        "num_processes": 8,
+        "mixed_precision": "bf16",
+    },
     "fsdp.yaml": {"distributed_type": "FSDP", "num_processes": 8, "mixed_precision": "bf16"},
 }
 
@@ -285,17 +321,27 @@ def _copy_recipes(tmp_path: Path) -> Path:
 
 
 def _run_wrapper(root: Path, name: str, *args: str, dry: bool = True, **env: str):
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("STAGES", "DRY_RUN", "ACCELERATE_CONFIG", "LAUNCH_ARGS")}
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("STAGES", "DRY_RUN", "ACCELERATE_CONFIG", "LAUNCH_ARGS")
+    }
     full_env.update(PYTHON=sys.executable, ACCELERATE="echo", **env)
     if dry:
         full_env["DRY_RUN"] = "1"
-    return subprocess.run(["bash", str(root / "recipes" / name), *args], env=full_env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(root / "recipes" / name), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("model_dir,config", [("llama3_8b_512k", "deepspeed_zero3.yaml"),
-                                              ("mistral_7b_512k", "deepspeed_zero3.yaml")])
+@pytest.mark.parametrize(
+    "model_dir,config",
+    [("llama3_8b_512k", "deepspeed_zero3.yaml"), ("mistral_7b_512k", "deepspeed_zero3.yaml")],
+)
 def test_wrapper_runs_stages_in_order(model_dir, config, tmp_path):
     root = _copy_recipes(tmp_path)
     out = _run_wrapper(root, f"{model_dir}/run.sh", "--train.max_steps", "3")
@@ -312,8 +358,9 @@ def test_wrapper_stage_selection_skip_and_fsdp(tmp_path):
     done = root / "outputs/mistral_7b_512k/stage2_128k/final"
     done.mkdir(parents=True)
     (done / "ringft_recipe.json").write_text("{}")
-    out = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="2 3",
-                       ACCELERATE_CONFIG="recipes/accelerate/fsdp.yaml")
+    out = _run_wrapper(
+        root, "mistral_7b_512k/run.sh", STAGES="2 3", ACCELERATE_CONFIG="recipes/accelerate/fsdp.yaml"
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and "recipes/mistral_7b_512k/stage3_256k.yaml" in lines[0]

@@ -44,8 +44,21 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
             seen[name] = "no error"
         except ValueError as exc:
             seen[name] = str(exc)
+    # Packed documents: offsets that differ between ranks, malformed offsets, non-causal.
+    seq = 8 * world
+    for name, kwargs in {
+        "docs_differ": {"cu_seqlens": [[0, 3 + rank, seq]]},
+        "docs_malformed": {"cu_seqlens": [[0, 5, 5, seq]]},
+        "docs_noncausal": {"cu_seqlens": [[0, 3, seq]], "causal": False},
+    }.items():
+        try:
+            zigzag_ring_attention(*_qkv(), backend="torch", **kwargs)
+            seen[name] = "no error"
+        except ValueError as exc:
+            seen[name] = str(exc)
     # The group is still usable afterwards: a good call runs.
     zigzag_ring_attention(*_qkv())
+    zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]])
     return seen
 
 
@@ -63,3 +76,7 @@ def test_errors_raised_on_every_rank(world):
                 assert "rank(s) [0]" in msg, msg
             else:
                 assert fragment in msg, f"{name} on rank {rank}: {msg}"
+        if world > 1:
+            assert "cu_seqlens checksum" in seen["docs_differ"], seen["docs_differ"]
+        assert "must rise strictly from 0" in seen["docs_malformed"]
+        assert "needs causal=True" in seen["docs_noncausal"]

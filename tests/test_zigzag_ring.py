@@ -111,6 +111,7 @@ def _check_records(records: list[dict], world: int) -> None:
             assert err <= limit, f"N={world} config={rec['config']} {name}: rel err {err:.2e} > {limit:.2e}"
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_matches_fp64_full_attention(world):
@@ -119,6 +120,7 @@ def test_ring_matches_fp64_full_attention(world):
         _check_records(records, world)
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_reference_backend_ring(world):
@@ -154,6 +156,7 @@ def test_shard_rejects_indivisible_length():
         zigzag_shard(torch.zeros(1, 10), 0, 3)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
 def test_single_process_emulation_matches_oracle(world, causal):

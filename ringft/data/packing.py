@@ -1,4 +1,7 @@
-"""Corpus packing: tokenize documents and cut the token stream into fixed-length sequences.
+"""Corpus packing: tokenize documents and cut the token stream into fixed-length sequences; or
+pack tokenized examples into rows with their document offsets (:func:`pack_examples`).
+
+Loading and checking a corpus lives in :mod:`ringft.data.corpus` (re-exported here).
 
 Documents are tokenized without special tokens and concatenated as
 ``doc0 EOS doc1 EOS doc2 EOS ...`` (no BOS is inserted anywhere). The stream is cut into
@@ -10,8 +13,6 @@ streaming (``IterableDataset``) corpora of any size can be packed.
 
 from __future__ import annotations
 
-import glob
-import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -21,44 +22,30 @@ from typing import Any
 import datasets
 import numpy as np
 
+from ringft.data.corpus import SUPPORTED_EXTENSIONS, AnyDataset, check_source, check_text_column, load_corpus
+
 __all__ = [
     "PackSummary",
     "SUPPORTED_EXTENSIONS",
+    "check_source",
     "iter_packed_sequences",
+    "pack_examples",
     "load_corpus",
     "pack_dataset",
 ]
 
-#: File extension -> ``datasets`` builder used by :func:`load_corpus`.
-SUPPORTED_EXTENSIONS: dict[str, str] = {
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".txt": "text",
-}
-
-# Extensions that make a non-existent ``source`` look like a (missing) local path rather than
-# a hub dataset name.
-_PATHLIKE_EXTENSIONS = set(SUPPORTED_EXTENSIONS) | {
-    ".csv",
-    ".tsv",
-    ".arrow",
-    ".gz",
-    ".zst",
-    ".xz",
-    ".bz2",
-    ".zip",
-    ".tar",
-}
-
 _FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
+_DOC_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "cu_seqlens": datasets.List(datasets.Value("int32")),  # document offsets in the row
+    }
+)
 _TOKEN_BATCH_FEATURES = datasets.Features({"ids": datasets.List(datasets.Value("int32"))})
 
 # Aim for about this many tokens per Arrow write batch so that very long rows do not pile up
 # in the writer's buffer (its default is 1000 rows regardless of row size).
 _WRITER_TOKENS = 1 << 20
-
-AnyDataset = datasets.Dataset | datasets.IterableDataset
 
 
 @dataclass
@@ -87,117 +74,6 @@ class PackSummary:
             f"{self.sequences:,} sequences x {self.seq_len:,} tokens = {self.tokens_out:,} tokens; "
             f"dropped tail: {self.dropped_tail_tokens:,} tokens ({pct:.2f}%)"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-
-
-def _builder_for(path: str) -> str:
-    ext = os.path.splitext(path)[1].lower()
-    try:
-        return SUPPORTED_EXTENSIONS[ext]
-    except KeyError:
-        raise ValueError(
-            f"unsupported file extension {ext or '(none)'!r} for {path!r}; "
-            f"expected one of {', '.join(SUPPORTED_EXTENSIONS)}"
-        ) from None
-
-
-def _looks_like_path(source: str) -> bool:
-    if source.startswith(("/", "./", "../", "~", ".\\")) or source in (".", ".."):
-        return True
-    return os.path.splitext(source)[1].lower() in _PATHLIKE_EXTENSIONS
-
-
-def _resolve_local_files(source: str) -> tuple[str, list[str]] | None:
-    """Return ``(builder, files)`` for a local source, or None if it looks like a hub name."""
-    path = os.path.expanduser(source)
-    if glob.has_magic(path):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise ValueError(f"no files match {source!r}")
-    elif os.path.isdir(path):
-        pattern = os.path.join(glob.escape(path), "**", "*")
-        files = sorted(
-            p
-            for p in glob.glob(pattern, recursive=True)
-            if os.path.isfile(p) and os.path.splitext(p)[1].lower() in SUPPORTED_EXTENSIONS
-        )
-        if not files:
-            raise ValueError(f"directory {source!r} contains no {'/'.join(SUPPORTED_EXTENSIONS)} files")
-    elif os.path.isfile(path):
-        files = [path]
-    elif _looks_like_path(source):
-        raise ValueError(f"no such file or directory: {source!r}")
-    else:
-        return None
-    builders = {_builder_for(f) for f in files}
-    if len(builders) > 1:
-        raise ValueError(
-            f"{source!r} mixes file types ({', '.join(sorted(builders))}); point it at files of a single type"
-        )
-    return builders.pop(), files
-
-
-def _column_names(dataset: AnyDataset) -> list[str]:
-    names = dataset.column_names
-    if names is None:  # IterableDataset with unknown features: peek at the first row
-        first = next(iter(dataset), None)
-        names = list(first) if first is not None else []
-    return list(names)
-
-
-def _check_text_column(dataset: AnyDataset, text_column: str) -> None:
-    names = _column_names(dataset)
-    if text_column not in names:
-        raise ValueError(
-            f"text column {text_column!r} not found; available columns: "
-            f"{', '.join(repr(n) for n in names) or '(none)'}"
-        )
-
-
-def load_corpus(
-    source: str,
-    *,
-    split: str = "train",
-    text_column: str = "text",
-    streaming: bool = False,
-    txt_sample_by: str = "document",
-    cache_dir: str | None = None,
-) -> AnyDataset:
-    """Load a text corpus from local files or the Hugging Face hub.
-
-    ``source`` is a local file, directory (searched recursively) or glob of ``.jsonl``/``.json``,
-    ``.parquet`` or ``.txt`` files (all of one type), or else a hub dataset name passed to
-    ``datasets.load_dataset``. For ``.txt`` files ``txt_sample_by`` selects what one document
-    is: ``"document"`` (a whole file, the default), ``"paragraph"`` or ``"line"``.
-    Raises ``ValueError`` for a missing path, an unsupported extension or a missing text column.
-    """
-    resolved = _resolve_local_files(source)
-    if resolved is None:
-        dataset = datasets.load_dataset(source, split=split, streaming=streaming, cache_dir=cache_dir)
-    else:
-        builder, files = resolved
-        kwargs: dict[str, Any] = {}
-        if builder == "text":
-            if txt_sample_by not in ("document", "paragraph", "line"):
-                raise ValueError(
-                    f"txt_sample_by must be 'document', 'paragraph' or 'line', not {txt_sample_by!r}"
-                )
-            kwargs["sample_by"] = txt_sample_by
-        dataset = datasets.load_dataset(
-            builder,
-            data_files={split: files},
-            split=split,
-            streaming=streaming,
-            cache_dir=cache_dir,
-            **kwargs,
-        )
-    if not isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
-        raise ValueError(f"expected a single split from {source!r}, got {type(dataset).__name__}")
-    _check_text_column(dataset, text_column)
-    return dataset
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,8 +154,10 @@ def _pack_token_batches(
     seq_len: int,
     summary: PackSummary,
     progress: Callable[[int], None] | None,
-) -> Iterator[np.ndarray]:
+    document_masking: bool = False,
+) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
     carry = np.empty(0, dtype=np.int32)
+    carry_starts = np.empty(0, dtype=np.int64)  # document starts inside the carry-over
     for docs in batches:
         n_tokens = sum(len(d) for d in docs)
         flat = np.fromiter(chain.from_iterable(docs), dtype=np.int32, count=n_tokens)
@@ -289,8 +167,19 @@ def _pack_token_batches(
         summary.tokens_in += n_tokens
         summary.sequences += n_seq
         summary.tokens_out += n_seq * seq_len
+        if document_masking:
+            lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+            starts = np.concatenate([carry_starts, len(carry) + np.cumsum(lengths) - lengths])
         for i in range(n_seq):
-            yield stream[i * seq_len : (i + 1) * seq_len]
+            row = stream[i * seq_len : (i + 1) * seq_len]
+            if not document_masking:
+                yield row
+                continue
+            inside = starts[(starts > i * seq_len) & (starts < (i + 1) * seq_len)] - i * seq_len
+            # A document cut by the row start continues as a document of its own.
+            yield row, np.concatenate([[0], inside, [seq_len]]).astype(np.int32)
+        if document_masking:
+            carry_starts = starts[starts >= n_seq * seq_len] - n_seq * seq_len
         carry = stream[n_seq * seq_len :].copy()
         summary.dropped_tail_tokens = len(carry)
         if progress is not None:
@@ -338,21 +227,23 @@ def iter_packed_sequences(
     max_documents: int | None = None,
     summary: PackSummary | None = None,
     progress: Callable[[int], None] | None = None,
-) -> Iterator[np.ndarray]:
+    document_masking: bool = False,
+) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
     """Lazily yield packed sequences (int32 arrays of length ``seq_len``).
 
     Same packing as :func:`pack_dataset`; if ``summary`` is given it is updated in place as
     the iterator advances and is complete once it is exhausted. ``progress`` is called with
-    the number of documents consumed after each batch.
+    the number of documents consumed after each batch. With ``document_masking`` each item is
+    ``(row, cu_seqlens)``: the row's document offsets ``[0, ..., seq_len]`` (int32).
     """
     eos_id = _validate(tokenizer, seq_len, add_eos, drop_tail, batch_size, num_proc)
-    _check_text_column(dataset, text_column)
+    check_text_column(dataset, text_column)
     if summary is None:
         summary = PackSummary()
     summary.seq_len = seq_len
     dataset = _limit(dataset, max_documents)
     batches = _token_batches(dataset, tokenizer, text_column, eos_id, batch_size, num_proc)
-    return _pack_token_batches(batches, seq_len, summary, progress)
+    return _pack_token_batches(batches, seq_len, summary, progress, document_masking)
 
 
 def pack_dataset(
@@ -368,6 +259,7 @@ def pack_dataset(
     max_documents: int | None = None,
     cache_dir: str | None = None,
     progress: Callable[[int], None] | None = None,
+    document_masking: bool = False,
 ) -> tuple[datasets.Dataset, PackSummary]:
     """Tokenize ``dataset[text_column]`` and pack it into rows of exactly ``seq_len`` tokens.
 
@@ -379,6 +271,9 @@ def pack_dataset(
     first K documents; ``cache_dir`` is where the packed Arrow file is written (default: the
     ``datasets`` cache); ``progress`` is called with the number of documents done per batch.
     Returns a ``datasets.Dataset`` with one ``input_ids`` column and a :class:`PackSummary`.
+    ``document_masking`` adds a ``cu_seqlens`` column: each row's document offsets
+    ``[0, ..., seq_len]`` (a document cut by a row start continues as its own document), which
+    ``RingDataCollator(document_masking=True)`` turns into per-document positions and labels.
     """
     summary = PackSummary()
     sequences = iter_packed_sequences(
@@ -393,19 +288,24 @@ def pack_dataset(
         max_documents=max_documents,
         summary=summary,
         progress=progress,
+        document_masking=document_masking,
     )
+    features = _DOC_FEATURES if document_masking else _FEATURES
     first = next(sequences, None)
     if first is None:  # from_generator cannot build an empty dataset
-        return datasets.Dataset.from_dict({"input_ids": []}, features=_FEATURES), summary
+        return datasets.Dataset.from_dict({k: [] for k in features}, features=features), summary
+
+    def record(item) -> dict[str, np.ndarray]:
+        return {"input_ids": item[0], "cu_seqlens": item[1]} if document_masking else {"input_ids": item}
 
     def generate() -> Iterator[dict[str, np.ndarray]]:
-        yield {"input_ids": first}
+        yield record(first)
         for seq in sequences:
-            yield {"input_ids": seq}
+            yield record(seq)
 
     packed = datasets.Dataset.from_generator(
         generate,
-        features=_FEATURES,
+        features=features,
         cache_dir=cache_dir,
         # A fresh fingerprint forces the generator to run (and fill `summary`) on every call
         # instead of silently reusing an earlier cached result.
@@ -413,3 +313,60 @@ def pack_dataset(
         writer_batch_size=max(1, _WRITER_TOKENS // seq_len),
     )
     return packed, summary
+
+
+# --------------------------------------------------------------------------------------------
+# Packing tokenized examples (e.g. SFT conversations) with their document offsets
+
+
+def pack_examples(
+    examples: datasets.Dataset, seq_len: int, cp_size: int = 1, ignore_index: int = -100
+) -> tuple[datasets.Dataset, float]:
+    """Pack tokenized examples into rows of at most ``seq_len`` tokens, with the document offsets
+    that ``data.document_masking: true`` trains on (nothing attends or predicts across examples).
+
+    ``examples``: columns ``input_ids`` and optionally ``labels`` (e.g. SFT conversations with the
+    prompt set to ``ignore_index``; default: the ids). Best-fit decreasing: each example, longest
+    first, goes into the fullest row it fits; no example is cut or padded on its own. With
+    ``cp_size > 1`` the examples of each row are ordered to even out the zigzag ranks' attention work
+    (:func:`ringft.ops.documents.balanced_order`, a few ms of host time per row; any order is exact).
+    Returns the packed dataset (``input_ids``, ``labels``, ``cu_seqlens`` ``[0, ..., row length]``)
+    and its padding fraction at ``seq_len``. Raises ``ValueError`` for an example longer than
+    ``seq_len``.
+    """
+    import bisect
+
+    from ringft.ops.documents import balanced_order
+
+    ids = examples["input_ids"]
+    labels = examples["labels"] if "labels" in examples.column_names else ids
+    lengths = [len(x) for x in ids]
+    too_long = [i for i, n in enumerate(lengths) if n > seq_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} examples are longer than seq_len={seq_len} (first: example {too_long[0]}, "
+            f"{lengths[too_long[0]]} tokens): truncate or split them first, or raise seq_len"
+        )
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = bisect.bisect_left(free, (lengths[i], -1))
+        if at == len(free):
+            rows.append([])
+            room, row = seq_len, len(rows) - 1
+        else:
+            room, row = free.pop(at)
+        rows[row].append(i)
+        bisect.insort(free, (room - lengths[i], row))
+    out: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "cu_seqlens": []}
+    for members in rows:
+        if cp_size > 1:
+            members = [members[j] for j in balanced_order([lengths[i] for i in members], seq_len, cp_size)]
+        cu = [0]
+        for i in members:
+            cu.append(cu[-1] + lengths[i])
+        out["input_ids"].append([t for i in members for t in ids[i]])
+        out["labels"].append([t for i in members for t in labels[i]])
+        out["cu_seqlens"].append(cu)
+    padding = 1.0 - sum(lengths) / (len(rows) * seq_len) if rows else 0.0
+    return datasets.Dataset.from_dict(out), padding

@@ -7,7 +7,14 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from ringft.lines.cases import derive_seed, fit_record
-from ringft.lines.text import MAX_NUMBER, has_chat_template
+from ringft.lines.text import (
+    MAX_NUMBER,
+    PREAMBLE,
+    QUESTION_TEMPLATE,
+    RecordStream,
+    has_chat_template,
+    render_line,
+)
 
 
 def make_synthetic_example(
@@ -59,22 +66,101 @@ def make_synthetic_example(
     return {"input_ids": ids, "labels": labels}
 
 
+def make_multi_question_example(
+    tokenizer: Any,
+    seq_len: int,
+    seed: int,
+    questions: int,
+    loss_on: Literal["answer", "questions"] = "answer",
+) -> dict[str, list[int]]:
+    """One multi-question training example of at most ``seq_len`` tokens (ringft prompt style, raw text).
+
+    Layout: ``BOS header line_1 .. line_n`` then up to ``questions`` blocks ``question_j " number_j" EOS``.
+    The first block makes the example's prefix exactly an eval record (``ringft eval-lines
+    --prompt-style ringft``) followed by its answer; each further block asks another line (lines
+    are asked in a random order, each once before any is asked again), so one sequence supervises
+    several retrievals. ``n`` is drawn uniformly from 1 to the most lines that fit with one
+    question (a curriculum from pure copying to choosing among many lines), and as many blocks as
+    fit follow. ``labels`` are -100 except on each block's " number" tokens and its EOS
+    (``loss_on="answer"``), or on every question and answer token (``loss_on="questions"``: the
+    asked names are then predicted too, by finding them among the lines, an induction task that
+    forms the retrieval circuit sooner).
+    Pieces are tokenized separately: the demo tokenizer splits at newlines and digits, so the
+    concatenation equals the whole text's tokenization (tests/test_demo.py checks it).
+    """
+    if questions < 1:
+        raise ValueError(f"questions must be >= 1, got {questions}")
+    if loss_on not in ("answer", "questions"):
+        raise ValueError(f"loss_on must be 'answer' or 'questions', got {loss_on!r}")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if bos is None or eos is None:
+        raise ValueError("multi-question examples need a tokenizer with bos_token_id and eos_token_id")
+
+    rng = random.Random(seed)
+    stream = RecordStream(rng.randrange(1 << 62), 2)
+    # Enough lines for the longest record (a line has >= 15 tokens), tokenized in one batched call.
+    pool = max(1, seq_len // 15)
+    stream.ensure(pool)
+    texts = [PREAMBLE, f" {MAX_NUMBER}"]
+    texts += [render_line(a, b) for a, b in zip(stream.names, stream.numbers, strict=True)]
+    texts += [QUESTION_TEMPLATE.format(name=a) for a in stream.names]
+    texts += [f" {b}" for b in stream.numbers]
+    enc = [list(x) for x in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+    head, answer_room = [bos, *enc[0]], len(enc[1]) + 1
+    line_ids, question_ids, number_ids = enc[2 : 2 + pool], enc[2 + pool : 2 + 2 * pool], enc[2 + 2 * pool :]
+    lines = 0
+    used, block = len(head), 0
+    while lines < pool:  # grow the line count until one more line would leave no room to ask any line
+        asked = len(question_ids[lines]) + answer_room
+        if used + len(line_ids[lines]) + max(block, asked) > seq_len:
+            break
+        used, block = used + len(line_ids[lines]), max(block, asked)
+        lines += 1
+    if not lines:
+        raise ValueError(f"seq_len={seq_len} cannot hold one line and one question")
+    n = rng.randint(1, lines)
+    ids = head + [tok for line in line_ids[:n] for tok in line]
+    labels = [-100] * len(ids)
+    order: list[int] = []
+    for _ in range(questions):
+        if not order:
+            order = rng.sample(range(n), n)
+        asked = order.pop()
+        answer = [*number_ids[asked], eos]
+        if len(ids) + len(question_ids[asked]) + len(answer) > seq_len:
+            break
+        ids += question_ids[asked] + answer
+        asked_labels = question_ids[asked] if loss_on == "questions" else [-100] * len(question_ids[asked])
+        labels += asked_labels + answer
+    return {"input_ids": ids, "labels": labels}
+
+
 def make_synthetic_dataset(
     tokenizer: Any,
     num_examples: int,
     seq_len: int,
     seed: int,
-    loss_on: Literal["answer", "all"] = "answer",
+    loss_on: Literal["answer", "all", "questions"] = "answer",
     min_len: int | None = None,
     chat_template: bool | None = None,
     progress: bool = False,
+    questions: int = 1,
 ) -> Any:
     """A ``datasets.Dataset`` of line-retrieval examples with ``input_ids`` and ``labels``.
 
     Example ``i`` uses seed ``derive_seed("synthetic", seed, i)``, a uniform random depth
     and a length budget drawn uniformly from ``[min_len, seq_len]`` (``min_len`` defaults
     to ``seq_len``); actual lengths are at most the budget, within about one line of it.
+    ``questions > 1`` makes multi-question examples instead (:func:`make_multi_question_example`,
+    raw text; ``loss_on`` "answer" or "questions", ``min_len`` and ``chat_template`` unset).
     """
+    if questions > 1 and (loss_on == "all" or min_len is not None or chat_template):
+        raise ValueError(
+            "data.synthetic.questions > 1 makes raw-text records of up to seq_len tokens with the loss on "
+            "answers (or questions and answers): use loss_on answer or questions and leave min_len unset"
+        )
+    if questions == 1 and loss_on == "questions":
+        raise ValueError("loss_on='questions' needs questions > 1 (multi-question records)")
     import datasets
 
     lo = seq_len if min_len is None else min_len
@@ -88,6 +174,11 @@ def make_synthetic_dataset(
         iterator = tqdm(iterator, desc="synthetic", total=num_examples)
     for i in iterator:
         ex_seed = derive_seed("synthetic", seed, i)
+        if questions > 1:
+            ex = make_multi_question_example(tokenizer, seq_len, ex_seed, questions, loss_on)  # type: ignore[arg-type]
+            rows["input_ids"].append(ex["input_ids"])
+            rows["labels"].append(ex["labels"])
+            continue
         rng = random.Random(ex_seed)
         budget = rng.randint(lo, seq_len)
         depth = rng.random()

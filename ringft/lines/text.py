@@ -1,12 +1,13 @@
 """Line-retrieval prompt text and line names (pure Python, no tokenizer needed).
 
-A record is a preamble, ``num_lines`` lines of the form::
+A record is a header, ``num_lines`` lines of the form::
 
     line brave-otter: REGISTER_CONTENT is <31337>
 
-and a question asking for the number stored in one line. Names are hyphen-joined words, unique
-within a record and digit-free; everything is deterministic from integer seeds
-(``random.Random(seed)`` instances only, never the global random state).
+and a question asking for the number stored in one line. The header and question come from a
+:class:`PromptStyle`: LongChat's own wording ("longchat") or this project's paraphrase ("ringft").
+Names are hyphen-joined words, unique within a record and digit-free; everything is deterministic
+from integer seeds (``random.Random(seed)`` instances only, never the global random state).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 PREAMBLE = (
@@ -26,6 +28,46 @@ PREAMBLE = (
 LINE_TEMPLATE = "line {name}: REGISTER_CONTENT is <{number}>\n"
 _QUESTION_ASK = "What is the <REGISTER_CONTENT> of line {name}? Answer with the number."
 QUESTION_TEMPLATE = "\nThe record is finished. " + _QUESTION_ASK
+
+# LongChat's line-retrieval strings (lm-sys/LongChat, longeval), reproduced verbatim so that figures
+# compare with its published tables. Its record lines are exactly LINE_TEMPLATE.
+LONGCHAT_HEADER = (
+    "Below is a record of lines I want you to remember. "
+    "Each line begins with 'line <line index>' and contains "
+    "a '<REGISTER_CONTENT>' at the end of the line as a numerical value. "
+    "For each line index, memorize its corresponding <REGISTER_CONTENT>. At "
+    "the end of the record, I will ask you to retrieve the corresponding "
+    "<REGISTER_CONTENT> of a certain line index. Now the record start:\n\n"
+)
+LONGCHAT_QUESTION = (
+    "\nNow the record is over. Tell me what is the <REGISTER_CONTENT> in line {name}? I need the number."
+)
+
+
+@dataclass(frozen=True)
+class PromptStyle:
+    """The fixed text around a record's lines: ``header + lines + question.format(name=asked)``."""
+
+    name: str
+    header: str
+    question: str
+
+
+#: ``--prompt-style`` choices. "longchat" is LongChat's wording; "ringft" is this project's own
+#: paraphrase, the one ringft's synthetic training records use.
+PROMPT_STYLES: dict[str, PromptStyle] = {
+    "longchat": PromptStyle("longchat", LONGCHAT_HEADER, LONGCHAT_QUESTION),
+    "ringft": PromptStyle("ringft", PREAMBLE, QUESTION_TEMPLATE),
+}
+
+
+def get_prompt_style(name: str) -> PromptStyle:
+    """The :class:`PromptStyle` called ``name``; ValueError naming the choices otherwise."""
+    if name not in PROMPT_STYLES:
+        raise ValueError(f"prompt style {name!r} is not one of {sorted(PROMPT_STYLES)}")
+    return PROMPT_STYLES[name]
+
+
 #: Matches one record line (without its trailing newline); groups: name, number.
 LINE_RE = re.compile(r"^line ([a-z]+(?:-[a-z]+)+): REGISTER_CONTENT is <([0-9]+)>$")
 
@@ -105,7 +147,7 @@ def _decode_name(code: int, num_words: int) -> str:
     return "-".join(reversed(parts))
 
 
-class _RecordStream:
+class RecordStream:
     """Lazily generated, deterministic sequence of (name, number) record lines.
 
     Line ``i`` depends only on the seed and ``num_words``, never on how many lines are
@@ -137,13 +179,16 @@ class _RecordStream:
         return len(self.names)
 
 
+_RecordStream = RecordStream  # the former private name, until ringft.data.synthetic imports RecordStream
+
+
 def unique_names(count: int, seed: int, num_words: int | None = None) -> list[str]:
     """``count`` distinct, digit-free names in a deterministic random order.
 
     ``num_words`` defaults to the smallest word count that keeps the name space at least
     twice as large as ``count`` (2 words up to ~7K names, 3 words up to ~1M, ...).
     """
-    stream = _RecordStream(seed, num_words or _words_for(count))
+    stream = RecordStream(seed, num_words or _words_for(count))
     stream.ensure(count)
     return list(stream.names)
 
@@ -153,10 +198,14 @@ def render_line(name: str, number: int) -> str:
     return LINE_TEMPLATE.format(name=name, number=number)
 
 
-def build_record_text(names: Sequence[str], numbers: Sequence[int], target_index: int) -> str:
-    """Raw (untemplated) prompt text: preamble, all lines, question about ``target_index``."""
+def build_record_text(
+    names: Sequence[str], numbers: Sequence[int], target_index: int, prompt_style: str = "ringft"
+) -> str:
+    """Raw (untemplated) prompt text: the style's header, one line per (name, number) pair (both
+    sequences of length ``num_lines``), and the style's question about line ``target_index``."""
+    chosen = get_prompt_style(prompt_style)
     body = "".join(render_line(n, v) for n, v in zip(names, numbers, strict=True))
-    return PREAMBLE + body + QUESTION_TEMPLATE.format(name=names[target_index])
+    return chosen.header + body + chosen.question.format(name=names[target_index])
 
 
 def has_chat_template(tokenizer: Any) -> bool:

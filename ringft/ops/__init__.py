@@ -1,7 +1,27 @@
-"""Pure math and communication for zigzag ring attention. Never imports transformers."""
+"""Pure math and communication for zigzag ring attention. Never imports transformers.
 
-from ringft.ops.kernels import BACKENDS, get_backend
+Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp merge), ``kernels``
+(block backend interface and choice; backends in ``reference``, ``torch_backend``,
+``flash_backend``), ``comm`` (ring exchange), ``zigzag_blocks`` + ``zigzag`` (the operator),
+``validate`` (errors on every rank), ``decode`` (sharded KV cache for inference).
+"""
+
+from ringft.ops.decode import ShardedKVCache, sharded_cache_attention
+from ringft.ops.dtypes import DTYPES, accumulator_dtype, dtype_from_name, dtype_name
+from ringft.ops.kernels import BACKENDS, default_softmax_scale, get_backend
 from ringft.ops.merge import merge_attention_
 from ringft.ops.zigzag import zigzag_ring_attention
 
-__all__ = ["BACKENDS", "get_backend", "merge_attention_", "zigzag_ring_attention"]
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "ShardedKVCache",
+    "accumulator_dtype",
+    "default_softmax_scale",
+    "dtype_from_name",
+    "dtype_name",
+    "get_backend",
+    "merge_attention_",
+    "sharded_cache_attention",
+    "zigzag_ring_attention",
+]

@@ -2,35 +2,39 @@
 
 Layout: the global sequence of length ``S`` is cut into ``2N`` equal chunks; CP rank ``r`` holds
 chunks ``r`` and ``2N-1-r`` concatenated (``seq_local = S / N``), so every rank does the same amount
-of causal work. Each rank keeps its queries and passes its K/V block around the ring; at step ``s``
-it holds the K/V of rank ``j = (r - s) mod N``:
-
-- ``s == 0``: the local block, causal (local positions are increasing, so plain lower-triangular);
-- ``j < r``:  every local query sees chunk ``j`` in full and nothing of chunk ``2N-1-j``
-              -> all queries x first half of the K/V block, unmasked;
-- ``j > r``:  only the local second half (chunk ``2N-1-r``) sees anything, and it sees both chunks
-              -> second half of the queries x all of the K/V block, unmasked.
-
-Fully masked work is never computed. Partial results are merged by log-sum-exp in fp32.
+of causal work. Each rank keeps its queries and passes its K/V block around the ring; the work of
+one step is in :mod:`ringft.ops.zigzag_blocks`. Partial results are merged by log-sum-exp in fp32.
 Backward recomputes each block from the merged out/lse; dq accumulates locally, dk/dv ride the ring
 with their K/V and arrive home after ``N`` hops.
+
+Autocast: like ``scaled_dot_product_attention``, the operator runs in the autocast dtype when
+autocast is on for the inputs' device (q, k and v are cast to it), and its own math (fp32
+accumulators, merges) never runs under autocast.
 """
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ringft.ops.comm import RingExchange, group_rank_and_size
-from ringft.ops.kernels import BACKENDS, BlockAttention, accumulator_dtype, default_scale, get_backend
-from ringft.ops.merge import merge_attention_
+from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
+from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
+from ringft.ops.kernels import BACKENDS, BlockAttention, default_softmax_scale, get_backend
+from ringft.ops.validate import DTYPE_CODES, raise_on_every_rank
+from ringft.ops.zigzag_blocks import backward_block, forward_block
 
 Tensor = torch.Tensor
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+__all__ = ["local_input_problems", "validate_inputs", "zigzag_ring_attention"]
 
 
-def _local_problems(q: Tensor, k: Tensor, v: Tensor, backend: str) -> list[str]:
+def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str) -> list[str]:
+    """What is wrong with this rank's q ``(B, S_local, Hq, D)`` and k/v ``(B, S_local, Hkv, D)``
+    on their own (no communication, no host sync): one message per problem, each naming the fix."""
     problems = []
     if backend not in BACKENDS:
         return [f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}"]
@@ -56,7 +60,7 @@ def _local_problems(q: Tensor, k: Tensor, v: Tensor, backend: str) -> list[str]:
         problems.append(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: cast them")
     if not (q.device == k.device == v.device):
         problems.append("q, k and v must be on the same device")
-    if q.dtype not in _DTYPE_CODES:
+    if q.dtype not in DTYPE_CODES:
         problems.append(f"unsupported dtype {q.dtype}: use fp32, bf16, fp16 or fp64")
     if sq % 2 != 0:
         problems.append(
@@ -64,127 +68,71 @@ def _local_problems(q: Tensor, k: Tensor, v: Tensor, backend: str) -> list[str]:
             "multiple of 2 * cp_size (RingDataCollator does this)"
         )
     if not problems:
-        reason = get_backend(backend, q.device).check(q)
+        reason = get_backend(backend, q.device, q.dtype).check(q)
         if reason:
             problems.append(reason)
     return problems
 
 
-def validate_inputs(q: Tensor, k: Tensor, v: Tensor, backend: str, group, rank: int, size: int) -> None:
+def _document_problems(q: Tensor, cu_seqlens, causal: bool, rank: int, size: int) -> list[str]:
+    if cu_seqlens is None:
+        return []
+    if not causal:
+        return ["cu_seqlens (packed documents) needs causal=True"]
+    if q.dim() != 4:
+        return []
+    if isinstance(cu_seqlens, DocumentPlan):
+        plan = cu_seqlens
+        if (plan.rank, plan.cp_size, len(plan.rows), plan.rows[0].diagonal[-1]) != (rank, size, *q.shape[:2]):
+            return [f"the DocumentPlan was built for rank {plan.rank} of {plan.cp_size} and another shape"]
+        return []
+    return check_cu_seqlens(cu_seqlens, q.shape[1] * size, q.shape[0])
+
+
+def _checksum(cu_seqlens) -> int:
+    if cu_seqlens is None or isinstance(cu_seqlens, DocumentPlan):
+        return 0
+    return zlib.crc32(repr([list(map(int, row)) for row in cu_seqlens]).encode())
+
+
+def validate_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    backend: str,
+    group,
+    rank: int,
+    size: int,
+    *,
+    cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
+    causal: bool = True,
+) -> None:
     """Raise the same ``ValueError`` on every rank when any rank's inputs are unusable.
 
-    Local problems and every rank's shape/dtype are exchanged in one small all_gather before any
-    ring traffic, so a bad input on one rank never leaves the others waiting in a send/recv.
+    Local problems and every rank's shape/dtype (and document offsets' checksum) are exchanged in
+    one small all_gather before any ring traffic, so a bad input on one rank never leaves the
+    others waiting in a send/recv.
     """
-    problems = _local_problems(q, k, v, backend)
-    if size == 1:
-        if problems:
-            raise ValueError("zigzag_ring_attention: " + "; ".join(problems))
-        return
+    problems = local_input_problems(q, k, v, backend) + _document_problems(q, cu_seqlens, causal, rank, size)
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
-    meta = [1 if problems else 0, *shape, _DTYPE_CODES.get(q.dtype, 0)]
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [t.tolist() for t in gathered]
-    bad = [i for i, row in enumerate(rows) if row[0]]
-    messages = []
-    if problems:
-        messages.append(f"rank {rank}: " + "; ".join(problems))
-    others = [i for i in bad if i != rank]
-    if others:
-        messages.append(f"bad inputs on CP rank(s) {others} (see their error)")
-    if not bad and len({tuple(row[1:]) for row in rows}) > 1:
-        desc = ", ".join(
-            f"rank {i}: (batch, seq_local, heads, dim, kv_heads, dtype)={tuple(row[1:])}"
-            for i, row in enumerate(rows)
-        )
-        messages.append(
-            "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim and dtype; "
-            f"got {desc}. Shard every sequence with zigzag_shard / RingDataCollator"
-        )
-    if messages:
-        raise ValueError("zigzag_ring_attention: " + " | ".join(messages))
-
-
-def forward_block(
-    kernel: BlockAttention,
-    q: Tensor,
-    kb: Tensor,
-    vb: Tensor,
-    out: Tensor | None,
-    lse: Tensor | None,
-    *,
-    step: int,
-    source: int,
-    rank: int,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor]:
-    """One ring step of the forward: attend the local ``q`` to the K/V block of rank ``source``.
-
-    Returns the updated fp32 accumulators ``(out, lse)`` (created at step 0, merged in place after).
-    """
-    half = q.shape[1] // 2
-    if step == 0:
-        blk_out, blk_lse = kernel.forward(q, kb, vb, causal, scale)
-        acc = accumulator_dtype(q.dtype)
-        return blk_out.to(acc), blk_lse.to(acc).clone()
-    if not causal:
-        merge_attention_(out, lse, *kernel.forward(q, kb, vb, False, scale))
-    elif source < rank:
-        merge_attention_(out, lse, *kernel.forward(q, kb[:, :half], vb[:, :half], False, scale))
-    else:
-        blk_out, blk_lse = kernel.forward(q[:, half:], kb, vb, False, scale)
-        merge_attention_(out[:, half:], lse[:, :, half:], blk_out, blk_lse)
-    return out, lse
-
-
-def backward_block(
-    kernel: BlockAttention,
-    dout: Tensor,
-    q: Tensor,
-    kb: Tensor,
-    vb: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    dq: Tensor,
-    *,
-    step: int,
-    source: int,
-    rank: int,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor, slice]:
-    """One ring step of the backward against the K/V block of rank ``source``.
-
-    Adds the query gradient into the local fp32 accumulator ``dq`` in place and returns
-    ``(dk, dv, kv_part)``: the block's K/V gradients and the slice of the block they belong to
-    (they are added to the travelling accumulator once it has arrived, so its transfer overlaps
-    with this compute).
-    """
-    half = q.shape[1] // 2
-    if step == 0 or not causal:
-        dq_b, dk_b, dv_b = kernel.backward(dout, q, kb, vb, out, lse, causal and step == 0, scale)
-        dq.add_(dq_b)
-        kv_part = slice(None)
-    elif source < rank:
-        dq_b, dk_b, dv_b = kernel.backward(dout, q, kb[:, :half], vb[:, :half], out, lse, False, scale)
-        dq.add_(dq_b)
-        kv_part = slice(None, half)
-    else:
-        dq_b, dk_b, dv_b = kernel.backward(
-            dout[:, half:], q[:, half:], kb, vb, out[:, half:], lse[:, :, half:], False, scale
-        )
-        dq[:, half:].add_(dq_b)
-        kv_part = slice(None)
-    return dk_b, dv_b, kv_part
+    raise_on_every_rank(
+        "zigzag_ring_attention",
+        problems,
+        (*shape, DTYPE_CODES.get(q.dtype, 0), _checksum(cu_seqlens)),
+        "(batch, seq_local, heads, dim, kv_heads, dtype, cu_seqlens checksum)",
+        "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim, dtype and "
+        "cu_seqlens. "
+        "Shard every sequence with zigzag_shard / RingDataCollator",
+        group=group,
+        rank=rank,
+        size=size,
+        device=q.device,
+    )
 
 
 class _ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group, kernel: BlockAttention, rank: int, size: int):
+    def forward(ctx, q, k, v, causal, softmax_scale, group, kernel: BlockAttention, rank, size, documents):
         ring = RingExchange(group) if size > 1 else None
         current = torch.stack([k, v]) if size > 1 else None  # K and V travel in one buffer
         spare = torch.empty_like(current) if size > 1 else None
@@ -203,67 +151,77 @@ class _ZigzagRingAttention(torch.autograd.Function):
                 source=(rank - step) % size,
                 rank=rank,
                 causal=causal,
-                scale=scale,
+                softmax_scale=softmax_scale,
+                documents=documents,
             )
             if pending is not None:
                 current, spare = pending.wait(), current
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group, ctx.kernel, ctx.rank, ctx.size = (
-            causal,
-            scale,
-            group,
-            kernel,
-            rank,
-            size,
-        )
+        ctx.causal, ctx.softmax_scale, ctx.group, ctx.kernel = causal, softmax_scale, group, kernel
+        ctx.rank, ctx.size, ctx.documents = rank, size, documents
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, kernel, rank, size = ctx.causal, ctx.scale, ctx.kernel, ctx.rank, ctx.size
-        dout = dout.contiguous()
-        if size == 1:
-            dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, causal, scale)
-            return dq_b, dk_b, dv_b, None, None, None, None, None, None
+        with no_autocast(q.device.type):
+            dq, dk, dv = _ring_backward(ctx, dout.contiguous(), q, k, v, out, lse)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
-        acc = accumulator_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        ring = RingExchange(ctx.group)
-        current = torch.stack([k, v])
-        spare = torch.empty_like(current)
-        # dK/dV accumulators ride the ring in fp32, one hop behind their K/V block.
+
+def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
+    causal, softmax_scale, kernel, rank, size = ctx.causal, ctx.softmax_scale, ctx.kernel, ctx.rank, ctx.size
+    documents = ctx.documents
+    if size == 1 and (documents is None or documents.single):
+        return kernel.backward(dout, q, k, v, out, lse, causal, softmax_scale)
+    acc = accumulator_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    if size == 1:  # one rank, several documents: the local block only
         grad = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        grad_spare = torch.empty_like(grad)
-        grad_pending = None
-        for step in range(size):
-            kv_pending = ring.start(current, spare) if step + 1 < size else None
-            dk_b, dv_b, kv_part = backward_block(
-                kernel,
-                dout,
-                q,
-                current[0],
-                current[1],
-                out,
-                lse,
-                dq,
-                step=step,
-                source=(rank - step) % size,
-                rank=rank,
-                causal=causal,
-                scale=scale,
-            )
-            if step > 0:
-                grad, grad_spare = grad_pending.wait(), grad  # accumulator of this block so far
-            grad[0][:, kv_part].add_(dk_b)
-            grad[1][:, kv_part].add_(dv_b)
-            grad_pending = ring.start(grad, grad_spare)
-            if kv_pending is not None:
-                current, spare = kv_pending.wait(), current
-        home = grad_pending.wait()  # after N hops the dK/dV of our own block are back
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None, None
+        for rows, part, dk_b, dv_b in backward_block(
+            kernel, dout, q, k, v, out, lse, dq, step=0, source=0, rank=0, causal=causal,
+            softmax_scale=softmax_scale, documents=documents,
+        ):  # fmt: skip
+            grad[0][rows, part].add_(dk_b)
+            grad[1][rows, part].add_(dv_b)
+        return dq.to(q.dtype), grad[0].to(k.dtype), grad[1].to(v.dtype)
+    ring = RingExchange(ctx.group)
+    current = torch.stack([k, v])
+    spare = torch.empty_like(current)
+    # dK/dV accumulators ride the ring in fp32, one hop behind their K/V block.
+    grad = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+    grad_spare = torch.empty_like(grad)
+    grad_pending = None
+    for step in range(size):
+        kv_pending = ring.start(current, spare) if step + 1 < size else None
+        pieces = backward_block(
+            kernel,
+            dout,
+            q,
+            current[0],
+            current[1],
+            out,
+            lse,
+            dq,
+            step=step,
+            source=(rank - step) % size,
+            rank=rank,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            documents=documents,
+        )
+        if step > 0:
+            grad, grad_spare = grad_pending.wait(), grad  # accumulator of this block so far
+        for rows, part, dk_b, dv_b in pieces:
+            grad[0][rows, part].add_(dk_b)
+            grad[1][rows, part].add_(dv_b)
+        grad_pending = ring.start(grad, grad_spare)
+        if kv_pending is not None:
+            current, spare = kv_pending.wait(), current
+    home = grad_pending.wait()  # after N hops the dK/dV of our own block are back
+    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
 
 
 def zigzag_ring_attention(
@@ -276,6 +234,8 @@ def zigzag_ring_attention(
     group: dist.ProcessGroup | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    validate: bool = True,
+    cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence zigzag-sharded across the ranks of ``group``.
 
@@ -288,13 +248,34 @@ def zigzag_ring_attention(
             torch.distributed at all).
         backend: ``auto`` | ``torch`` | ``flash_attn`` | ``reference`` (see ``ringft.ops.kernels``).
         return_lse: also return the log-sum-exp ``(batch, heads_q, seq_local)`` in fp32.
+        validate: check that every rank's inputs are usable and agree (one small all_gather and a
+            host sync) before any ring traffic. ``False`` keeps only this rank's own checks, with
+            no communication: for callers that already validated the batch on every rank (the
+            transformers integration does it once per forward, not once per layer).
+        cu_seqlens: packed documents: per batch row (or one row for all), the global document
+            offsets ``0 = cu[0] < ... < cu[m] = S`` (any lengths); attention stays causal inside each
+            document and blocks without a shared document are skipped. Every rank passes the same
+            offsets. Or a :class:`~ringft.ops.documents.DocumentPlan` built for this rank.
 
     Returns:
-        ``out`` ``(batch, seq_local, heads_q, head_dim)`` in q's dtype (and ``lse`` if asked).
+        ``out`` ``(batch, seq_local, heads_q, head_dim)`` in q's dtype (the autocast dtype under
+        autocast), and ``lse`` if asked.
     """
     rank, size = group_rank_and_size(group)
-    validate_inputs(q, k, v, backend, group, rank, size)
-    kernel = get_backend(backend, q.device)
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _ZigzagRingAttention.apply(q, k, v, causal, scale, group, kernel, rank, size)
+    q, k, v = follow_autocast(q, k, v)  # like scaled_dot_product_attention
+    if validate:
+        validate_inputs(q, k, v, backend, group, rank, size, cu_seqlens=cu_seqlens, causal=causal)
+    else:
+        problems = local_input_problems(q, k, v, backend) + _document_problems(
+            q, cu_seqlens, causal, rank, size
+        )
+        if problems:
+            raise ValueError(f"zigzag_ring_attention: rank {rank}: " + "; ".join(problems))
+    documents = cu_seqlens
+    if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
+        documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
+    kernel = get_backend(backend, q.device, q.dtype)
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    with no_autocast(q.device.type):
+        out, lse = _ZigzagRingAttention.apply(q, k, v, causal, scale, group, kernel, rank, size, documents)
     return (out, lse) if return_lse else out

@@ -1,6 +1,22 @@
-"""Training: the recipe schema and the Accelerate loop combining CP with DP."""
+"""Training: the recipe schema and the Accelerate loop combining CP with DP.
 
-from ringft.train.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
-from ringft.train.trainer import Trainer, TrainResult, train
+Modules, one job each: ``recipe`` (typed schema) and ``fields`` (its checks), ``build`` (tokenizer,
+model config, model, optimizer groups), ``data`` (loading, checks, data order), ``integrations``
+(DDP / DeepSpeed / FSDP specifics), ``master_weights`` (fp32 masters under DDP), ``checkpoint``
+(save, resume, export), ``run_dir`` (lock, metrics.jsonl), ``loop`` (the Trainer), ``errors``.
+"""
 
-__all__ = ["Recipe", "RecipeError", "TrainResult", "Trainer", "load_recipe", "recipe_from_dict", "train"]
+from ringft.train.errors import RecipeError, TrainError
+from ringft.train.loop import Trainer, TrainResult, train
+from ringft.train.recipe import Recipe, load_recipe, recipe_from_dict
+
+__all__ = [
+    "Recipe",
+    "RecipeError",
+    "TrainError",
+    "TrainResult",
+    "Trainer",
+    "load_recipe",
+    "recipe_from_dict",
+    "train",
+]

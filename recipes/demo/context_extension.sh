@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The CPU demo (README's first command): context extension, end to end, on 2 CPU processes.
+#   0. installs everything into ./.venv (recipes/setup_cpu_env.sh);
+#   1. evaluates the shipped base model (ringft/assets/demo_base, trained at L = 256 tokens by
+#      recipes/demo/base.yaml) at L and 4L = 1024 tokens: it retrieves at 256 and fails at 1024;
+#   2. extends it (recipes/demo/extend.yaml): RoPE theta 10K -> 160K, then fine-tunes at 1024 tokens with
+#      CP = 2 (two gloo processes under `accelerate launch`, the code path of a GPU run);
+#   3. evaluates the extended model at L and 4L;
+#   4. prints the before/after table and writes outputs/demo/before_after.png (both heatmaps).
+# Extra arguments are overrides of the extension recipe, e.g. `bash recipes/demo/context_extension.sh --train.max_steps 50`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=outputs/demo
+BASE=ringft/assets/demo_base
+if [[ ! -f "$BASE/model.safetensors" ]]; then
+  echo "context_extension.sh: error: the base model $BASE is missing: build it with" \
+    "'python benchmarks/train_demo_base.py' (recipes/demo/base.yaml, ~30 min on one core)" >&2
+  exit 2
+fi
+source recipes/setup_cpu_env.sh
+rm -rf "$OUT"
+launch() { accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml -m ringft "$@"; }
+eval_lines() {  # eval_lines MODEL OUTPUT: line retrieval at L and 4L, 5 depths x 8 cases each
+  launch eval-lines --model "$1" --output "$2" --prompt-style ringft --lengths 256,1024 \
+    --depths 0,0.25,0.5,0.75,1 --cases 8 --max-new-tokens 8 --dtype fp32 --backend torch --no-progress
+}
+echo "== 1/3 base model (trained at 256 tokens): line retrieval at 256 and 1024 tokens"
+eval_lines "$BASE" "$OUT/eval-before"
+echo "== 2/3 context extension: RoPE theta 10K -> 160K, fine-tune at 1024 tokens, CP = 2"
+launch train recipes/demo/extend.yaml --checkpoint.output_dir "$OUT/extend" "$@"
+echo "== 3/3 extended model: line retrieval at 256 and 1024 tokens"
+eval_lines "$OUT/extend/final" "$OUT/eval-after"
+python -m ringft.evals.compare "$OUT/eval-before" "$OUT/eval-after" \
+  --labels "base model (before)" "extended (after)" \
+  --title "Line retrieval before / after context extension (trained at 256 tokens)" \
+  --figure "$OUT/before_after.png" --markdown "$OUT/before_after.md"

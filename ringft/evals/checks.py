@@ -1,0 +1,105 @@
+"""Checks of ``eval-lines`` inputs that run before any model loads, on every rank: one line naming
+the value and the fix for each bad input, and a warning (with the figures) for lengths past the
+model's trained positions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EvalInputError(ValueError):
+    """A bad ``eval-lines`` input; the message names the value and the fix."""
+
+
+def parse_length(text: str) -> int:
+    """``"4096"`` -> 4096, ``"32k"`` -> 32768 (tokens); ValueError on anything else."""
+    text = text.strip().lower()
+    scale = 1024 if text.endswith("k") else 1
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def parse_lengths(text: str) -> list[int]:
+    """Comma-separated prompt lengths in tokens (``k`` suffix = x1024), each positive, no repeats."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise EvalInputError(f"--lengths {text!r}: give at least one prompt length in tokens, e.g. 4096,8k")
+    lengths = []
+    for item in items:
+        try:
+            length = parse_length(item)
+        except ValueError:
+            raise EvalInputError(
+                f"--lengths {text}: {item.strip()!r} is not a whole number of tokens"
+            ) from None
+        if length < 1:
+            raise EvalInputError(f"--lengths {text}: {length} is not a positive number of tokens")
+        if length in lengths:
+            raise EvalInputError(f"--lengths {text}: {length} is given twice")
+        lengths.append(length)
+    return lengths
+
+
+def parse_depths(text: str) -> list[float]:
+    """Comma-separated relative depths of the asked line, each in [0, 1], no repeats."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise EvalInputError(f"--depths {text!r}: give at least one depth in [0, 1], e.g. 0,0.5,1")
+    depths = []
+    for item in items:
+        try:
+            depth = float(item)
+        except ValueError:
+            raise EvalInputError(f"--depths {text}: {item.strip()!r} is not a number") from None
+        if not 0.0 <= depth <= 1.0:  # also refuses nan
+            raise EvalInputError(
+                f"--depths {text}: {item.strip()} is outside [0, 1] (0 = first line, 1 = last line)"
+            )
+        if depth in depths:
+            raise EvalInputError(f"--depths {text}: {depth:g} is given twice")
+        depths.append(depth)
+    return depths
+
+
+def check_positive(flag: str, value: int, what: str) -> None:
+    """Refuse a count below 1: ``--cases 0``, ``--max-new-tokens 0``."""
+    if value < 1:
+        raise EvalInputError(f"{flag} {value}: give at least 1 {what}")
+
+
+def check_vocabulary(tokenizer: Any, config: Any) -> None:
+    """Refuse a tokenizer whose ids can reach past the model's embedding rows."""
+    size, rows = len(tokenizer), getattr(config, "vocab_size", None)
+    if rows is not None and size > rows:
+        raise EvalInputError(
+            f"the tokenizer has {size} tokens but the model's embedding has {rows} rows (ids >= "
+            f"{rows} would read past it): use the model's own tokenizer (--tokenizer)"
+        )
+
+
+def has_rope_scaling(config: Any) -> bool:
+    """Whether the config asks for any RoPE scaling (rope_type other than "default")."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("rope_type"), str):
+        return params["rope_type"] != "default"
+    return bool(getattr(config, "rope_scaling", None))
+
+
+def position_warning(config: Any, longest_prompt: int, max_new_tokens: int) -> str | None:
+    """A warning when prompt + generation runs past ``max_position_embeddings`` without RoPE
+    scaling (accuracy there measures extrapolation), else None."""
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = longest_prompt + max_new_tokens
+    if limit is None or longest <= limit or has_rope_scaling(config):
+        return None
+    return (
+        f"the longest prompt ({longest_prompt} tokens) plus {max_new_tokens} new tokens reaches "
+        f"position {longest}, past the model's max_position_embeddings {limit} and it has no RoPE "
+        f"scaling: results beyond {limit} tokens measure extrapolation"
+    )
+
+
+def too_short_error(exc: Any) -> EvalInputError:
+    """The ``--lengths`` message for a :class:`ringft.lines.RecordTooShortError`."""
+    return EvalInputError(
+        f"--lengths {exc.target_tokens}: {exc}; use lengths of at least {exc.shortest} tokens"
+    )

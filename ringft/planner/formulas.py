@@ -1,0 +1,282 @@
+"""The memory formulas: bytes per rank of each part of one training step (see :mod:`ringft.planner`).
+
+Every function takes the model's :class:`ModelShape` ``m`` and the :class:`TrainingSetup` ``s`` and
+returns bytes per rank. ``T = micro_batch_size * S / cp`` local tokens, ``a`` the activation
+dtype's byte size, shapes as in :mod:`ringft.planner.shapes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ringft.planner.setup import TrainingSetup
+from ringft.planner.shapes import ModelShape
+
+__all__ = [
+    "attention_kernel",
+    "checkpointed",
+    "layer_saved",
+    "layer_working_set",
+    "loss_working_set",
+    "model_states",
+]
+
+
+def model_states(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
+    """Weights, grads, optimizer, ZeRO-3 gather buffers and CPU-offloaded bytes per rank.
+
+    With ``P`` parameters, ``N = num_gpus`` and bytes per parameter ``(w, g, o)`` =
+    ``(2, 2, 12)`` (bf16 + fp32 master + Adam), ``(4, 4, 8)`` (fp32) or ``(2, 2, 4)``
+    (bf16 without master weights):
+
+    - full FT: weights ``w*P`` (``/N`` at ZeRO-3), grads ``g*P`` (``/N`` at ZeRO >= 2),
+      optimizer ``o*P`` (``/N`` at ZeRO >= 1);
+    - LoRA: frozen base ``w*P`` (``/N`` at ZeRO-3) and, for the ``P_lora`` adapter parameters,
+      ``4 + 4 + 8`` B (fp32 adapters, peft's default; else ``(w, g, o)``), sharded the same way;
+    - ZeRO-3 gather: ``(1 + prefetch)`` gathered copies of the largest unit (a decoder layer or the
+      ``V x h`` lm_head/embedding) in the weight dtype, plus one unit of full-size grads (full FT)
+      before the reduce-scatter;
+    - ``offload_optimizer`` moves the optimizer states (incl. master weights) to CPU memory;
+      ``offload_params`` (ZeRO-3) keeps only the gather buffers on the GPU.
+    """
+    n = s.num_gpus
+    wbytes = s.act_bytes
+    if s.dtype == "fp32":
+        gbytes, obytes = 4, 8
+    else:
+        gbytes, obytes = 2, (12 if s.master_weights else 4)
+    p_total = m.total_params
+    shard_w = n if s.zero_stage >= 3 else 1
+    shard_g = n if s.zero_stage >= 2 else 1
+    shard_o = n if s.zero_stage >= 1 else 1
+    if s.lora:
+        p_lora = m.lora_params(s.lora_rank, s.lora_targets)
+        trainable = p_lora
+        lw, lg, lo = (4, 4, 8) if (s.lora_fp32_adapters or s.dtype == "fp32") else (wbytes, gbytes, obytes)
+        weights = wbytes * p_total // shard_w + lw * p_lora // shard_w
+        grads = lg * p_lora // shard_g
+        optimizer = lo * p_lora // shard_o
+    else:
+        trainable = p_total
+        weights = wbytes * p_total // shard_w
+        grads = gbytes * p_total // shard_g
+        optimizer = obytes * p_total // shard_o
+    gather = 0
+    if s.zero_stage >= 3:
+        unit = max(m.layer_params, m.embedding_params)
+        gather = (1 + s.zero3_prefetch_layers) * unit * wbytes + (0 if s.lora else unit * gbytes)
+    cpu = 0
+    if s.offload_optimizer:
+        cpu += optimizer
+        optimizer = 0
+    if s.offload_params:
+        cpu += weights
+        weights = 0
+    return {
+        "params_total": p_total + (m.lora_params(s.lora_rank, s.lora_targets) if s.lora else 0),
+        "params_trainable": trainable,
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optimizer,
+        "zero3_gather": gather,
+        "cpu": cpu,
+    }
+
+
+def _linear_inputs(s: TrainingSetup, modules: Sequence[str], in_features: int, rank: int) -> tuple[bool, int]:
+    """What the Linear ``modules`` (sharing one input of ``in_features``) keep for the backward,
+    per token: ``(input kept, extra bytes)``.
+
+    A Linear keeps its input only when its weight trains (autograd saves conditionally). A LoRA
+    target keeps the input of ``lora_A`` -- with fp32 adapters on a bf16 model peft casts the input
+    to fp32 first, a separate ``4*in`` copy per target -- and ``lora_A``'s output (``r`` values).
+    """
+    a = s.act_bytes
+    kept, extra = False, 0
+    targets = set(s.lora_targets) if s.lora else set()
+    cast = s.lora and s.lora_fp32_adapters and a != 4
+    for name in modules:
+        if not s.lora:
+            kept = True
+        elif name in targets:
+            if cast:
+                extra += 4 * in_features
+            else:
+                kept = True
+            extra += (4 if s.lora_fp32_adapters else a) * rank
+    return kept, extra
+
+
+def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
+    """Bytes one decoder layer keeps for its backward (what a recompute re-creates).
+
+    With ``T`` local tokens, ``a`` the activation byte size, per token:
+
+    - ``norm1``: the RMSNorm's fp32 copy of its input ``4*h`` (none in fp32: the input is the
+      checkpointed layer input), ``rsqrt`` (4 B), the normalised value ``a*h`` if the norm weight
+      trains, and the norm's output ``a*h`` if q/k/v keep it (their weights train);
+    - ``attention``: RoPE'd q, k, v and the output ``a*(2*nh + 2*nkv)*d``, fp32 lse ``4*nh``;
+    - ``norm2``: as norm1, its input ``4*h`` either way (fp32 copy, or in fp32 the residual itself);
+      output kept if gate/up train (or by the tiled MLP, which keeps its input);
+    - ``mlp`` (SwiGLU): gate, silu(gate), up ``3*a*i``, and their product ``a*i`` if down_proj
+      trains; 0 with the tiled MLP (recomputed per tile in the backward);
+    - ``lora_attn`` / ``lora_mlp``: per LoRA target, the fp32 copy of its input ``4*in`` (bf16 model,
+      fp32 adapters) and ``lora_A``'s output ``4*r``.
+
+    Full fine-tuning in bf16 gives ``T*(16*h + 2*(2*nh + 2*nkv)*d + 4*nh + 8*i + 8)``.
+    """
+    a = s.act_bytes
+    h, i, d = m.hidden, m.intermediate, m.head_dim
+    q, kv = m.heads * d, m.kv_heads * d
+    trains = not s.lora
+    r = s.lora_rank
+    norm_y = a * h if trains else 0
+    n1_kept, lora_attn = _linear_inputs(s, ("q_proj", "k_proj", "v_proj"), h, r)
+    norm1 = (4 * h if a != 4 else 0) + 4 + norm_y + (a * h if n1_kept else 0)
+    attention = a * (2 * q + 2 * kv) + 4 * m.heads
+    lora_attn += _linear_inputs(s, ("o_proj",), q, r)[1]  # the attention output is kept anyway
+    n2_kept, lora_mlp = _linear_inputs(s, ("gate_proj", "up_proj"), h, r)
+    if s.tiled_mlp:
+        norm2 = 4 * h + 4 + norm_y + a * h
+        mlp, lora_mlp = 0, 0
+    else:
+        norm2 = 4 * h + 4 + norm_y + (a * h if n2_kept else 0)
+        p_kept, p_extra = _linear_inputs(s, ("down_proj",), i, r)
+        mlp = 3 * a * i + (a * i if p_kept else 0)
+        lora_mlp += p_extra
+    t = s.tokens
+    return {
+        "norm1": t * norm1,
+        "attention": t * attention,
+        "lora_attn": t * lora_attn,
+        "norm2": t * norm2,
+        "mlp": t * mlp,
+        "lora_mlp": t * lora_mlp,
+    }
+
+
+def _mlp_tile(m: ModelShape, s: TrainingSetup) -> int:
+    return min(s.tokens, s.tiled_mlp_tokens or m.hidden)
+
+
+def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
+    """Transients of the block attention backward, ``T`` tokens.
+
+    ``dq`` ``a*T*nh*d``; ``dk, dv`` ``2*a*T*nkv*d``, computed at ``nh`` heads first when
+    ``nkv < nh`` (flash-attention 2 expands them, ``+2*a*T*nh*d``); an fp32 dq workspace
+    ``4*T*nh*d``; the output grad ``a*T*nh*d``; with ``attn_backend="torch"`` on CUDA (no
+    native GQA) K/V are expanded to ``nh`` heads as well, ``+2*a*T*nh*d``.
+    """
+    a, t = s.act_bytes, s.tokens
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    gqa = m.kv_heads < m.heads
+    kernel = a * q + 2 * a * kv + (2 * a * q if gqa else 0) + 4 * q + a * q
+    if gqa and s.attn_backend == "torch":
+        kernel += 2 * a * q
+    return t * kernel
+
+
+def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict[str, int]:
+    """Peak of one decoder layer's backward (after its recompute), the larger of two phases.
+
+    - MLP phase (the MLP backward runs first): everything the layer saved, the output grad
+      ``a*T*h`` and the MLP backward's transients: untiled, gate/silu/up and the grads of the
+      product, silu and up are alive together, ``6*a*T*i`` minus the MLP's saved bytes; tiled,
+      one tile's recompute + transients ``6*a*t*i`` (``t`` tile tokens, plus the tile's LoRA input
+      copies) and the input-grad accumulator ``a*T*h``;
+    - attention phase (the second norm's and the MLP's tensors are freed): norm1 + attention +
+      their LoRA tensors, the kernel transients (:func:`attention_kernel`); with ``cp > 1`` the
+      ring buffers: fp32 dq accumulator ``4*T*nh*d``, K/V double buffer ``2*2*a*T*nkv*d`` and the
+      travelling fp32 dK/dV double buffer ``2*2*4*T*nkv*d``; and the gradient flow: output and
+      input grads ``2*a*T*h`` plus the RMSNorm backward's fp32 temporary ``4*T*h``.
+    """
+    a = s.act_bytes
+    t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
+    if s.tiled_mlp:
+        tile = _mlp_tile(m, s)
+        tile_lora = _linear_inputs(s, ("gate_proj", "up_proj"), h, s.lora_rank)[1]
+        tile_lora += _linear_inputs(s, ("down_proj",), i, s.lora_rank)[1]
+        mlp_extra = tile * (6 * a * i + tile_lora) + a * t * h
+    else:
+        mlp_extra = 6 * a * t * i - saved["mlp"]
+    ring = 0
+    if s.cp_size > 1:
+        q = m.heads * d
+        ring = 4 * t * q + 2 * 2 * a * t * nkv * d + 2 * 2 * 4 * t * nkv * d
+    kernel = attention_kernel(m, s)
+    grad_flow = 2 * a * t * h + 4 * t * h
+    mlp_phase = sum(saved.values()) + mlp_extra + a * t * h
+    attn_phase = saved["norm1"] + saved["attention"] + saved["lora_attn"] + kernel + ring + grad_flow
+    return {
+        "mlp_phase": mlp_phase,
+        "attention_phase": attn_phase,
+        "ring_buffers": ring,
+        "attention_kernel": kernel,
+        "mlp_backward_extra": mlp_extra,
+        "grad_flow": grad_flow,
+    }
+
+
+def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
+    """Peak of the final RMSNorm + output projection + cross-entropy (forward and backward).
+
+    The final norm's tensors live from the end of the forward until the loss's backward is done:
+    fp32 input ``4*T*h`` and ``rsqrt``, the normalised value ``a*T*h`` if its weight trains, its
+    output ``a*T*h`` if the lm_head trains or the chunked loss keeps it. On top of them:
+
+    - unchunked (transformers' ``ForCausalLMLoss``): during the backward the saved fp32
+      log-softmax, its incoming and its outgoing grad are alive at once: ``12*T*V`` (larger than
+      the forward's ``(a + 8)*T*V``);
+    - chunked (:func:`ringft.loss.chunked_lm_loss`, ``c = min(chunk, T)``): the larger of the
+      forward's ``8*c*V`` (fp32 logits + log-sum-exp temporary) and the backward's
+      ``(4 + a')*c*V + a*T*h`` (grad_hidden) ``+ (4 + a')*V*h`` (fp32 lm_head grad accumulator
+      and the low-precision product added to it, when the lm_head trains; ``a' = 0`` in fp32,
+      else ``a``).
+    """
+    a = s.act_bytes
+    t, v, h = s.tokens, m.vocab, m.hidden
+    trains = not s.lora
+    low = a if a != 4 else 0
+    keep_out = trains or s.chunked_loss
+    final_norm = t * (4 * h + 4 + (a * h if trains else 0) + (a * h if keep_out else 0))
+    if not s.chunked_loss:
+        return {"final_norm": final_norm, "logits": 12 * t * v}
+    c = min(s.loss_chunk_size, t)
+    head_grad = 4 * v * h if trains else 0
+    # + the low-precision ``V x h`` product of a chunk's weight gradient (``g_low.t() @ h``, added
+    # to the fp32 accumulator): measured, bf16 full fine-tuning peaks were exactly ``a*V*h`` above
+    # the plan without this term (CPU bench_memory --dtype bf16: 27-31 MiB at V=32000, h=512;
+    # H100 Llama-3-8B: -1.8 %, ~1 GiB). fp32 accumulates in place (addmm_): no such product.
+    # On CPU the in-place add of that bf16 product into the fp32 accumulator also materialises an
+    # fp32 copy (4*V*h) next to the chunk's a*c*V grad: where 4*V*h > 4*c*V this plan is low on CPU
+    # (measured: V=8192, h=512, c=256, T=1024: 45 MiB vs 37 planned); GPU kernels cast on the fly.
+    backward = (4 + low) * c * v + a * t * h + head_grad + low * v * h * trains
+    return {
+        "final_norm": final_norm,
+        "logits": max(8 * c * v, backward, a * t * h + (4 + low) * v * h * trains),
+    }
+
+
+def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict[str, int]:
+    """Activations kept from the forward until the backward reaches their layer.
+
+    - per-layer checkpointing: the ``L`` layer inputs ``L*a*T*h``; with activation offload only
+      ``2*a*T*h`` stay on the GPU (the layer in use and the one in flight), the rest is in CPU
+      memory;
+    - no checkpointing: every layer's saved tensors (:func:`layer_saved`) plus its input;
+    - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers).
+
+    (The final norm's tensors are counted with the loss: they are freed before any layer's
+    backward.)
+    """
+    a = s.act_bytes
+    t, h = s.tokens, m.hidden
+    per_layer = a * t * h
+    if not s.gradient_checkpointing:
+        per_layer += sum(saved.values())
+    layers = m.layers * per_layer
+    cpu = 0
+    if s.offload_activations and s.gradient_checkpointing:
+        on_gpu = min(2, m.layers) * per_layer
+        cpu, layers = layers - on_gpu, on_gpu
+    return {"layers": layers, "rope": 2 * a * t * m.head_dim, "cpu": cpu}

@@ -1,0 +1,224 @@
+"""Build what a recipe trains: tokenizer, model config (RoPE / context overrides), model, LoRA,
+optimizer parameter groups.
+
+Everything that can be refused without the weights is refused here before they load: a tokenizer
+larger than the model's embedding, a RoPE type that is not exact under CP, a sliding window shorter
+than the training length, a model folder that does not exist.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringft.ops.dtypes import dtype_from_name
+from ringft.train.errors import RecipeError
+from ringft.train.recipe import POSITION_DEPENDENT_ROPE, Recipe
+
+__all__ = [
+    "build_model",
+    "build_tokenizer",
+    "decay_parameter_groups",
+    "model_config",
+    "prepare_for_training",
+]
+# RoPE types whose frequencies are computed from the pretraining context length: a raised
+# max_position_embeddings must not replace it (transformers defaults it to max_position_embeddings).
+_PRETRAINED_LENGTH_ROPE = ("yarn", "llama3", "longrope")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def build_tokenizer(recipe: Recipe) -> Any:
+    """The recipe's tokenizer (``model.tokenizer``, default ``model.name_or_path``; "demo" = shipped)."""
+    from ringft.demo_tokenizer import load_tokenizer
+
+    name = recipe.model.tokenizer or recipe.model.name_or_path
+    if name is None:
+        raise RecipeError("model.tokenizer is required when the model is built from model.config")
+    try:
+        return load_tokenizer(name)
+    except Exception as exc:  # noqa: BLE001 - every loader failure becomes one line
+        raise RecipeError(
+            f"model.tokenizer {name!r} could not be loaded ({_first_line(exc)}): give a tokenizer folder, "
+            "a hub "
+            "name, or demo"
+        ) from None
+
+
+def _load_pretrained_config(name: str) -> Any:
+    from transformers import AutoConfig
+
+    local = Path(name).expanduser()
+    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1
+    if looks_local and not local.is_dir():
+        raise RecipeError(
+            f"model.name_or_path {name!r}: no such model folder (train the previous stage first, or fix "
+            "the path)"
+        )
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001 - every loader failure becomes one line
+        raise RecipeError(
+            f"model.name_or_path {name!r} could not be loaded ({_first_line(exc)}): give a folder with "
+            "config.json and weights, or a hub model name"
+        ) from None
+
+
+def _rope_parameters(config: Any, recipe: Recipe) -> dict[str, Any]:
+    """The config's RoPE parameters with the recipe's ``rope_scaling`` / ``rope_theta`` applied and,
+    for YaRN / llama3 / longrope, the *pretraining* context as ``original_max_position_embeddings``."""
+    m = recipe.model
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if m.rope_scaling:
+        asked = dict(m.rope_scaling)
+        if "type" in asked:
+            asked.setdefault("rope_type", asked.pop("type"))
+        rope.pop("type", None)
+        rope.update(asked)
+    if m.rope_theta is not None:
+        rope["rope_theta"] = float(m.rope_theta)
+    if rope.get("rope_type") in _PRETRAINED_LENGTH_ROPE:
+        pretrained = (
+            getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
+        )
+        rope.setdefault("original_max_position_embeddings", pretrained)
+    return rope
+
+
+def model_config(recipe: Recipe, tokenizer_size: int | None = None) -> Any:
+    """The transformers config the recipe trains (no weights loaded), with its overrides applied.
+
+    Raises :class:`RecipeError` for a tokenizer of more than ``vocab_size`` tokens, a
+    position-dependent RoPE (dynamic, longrope) with CP > 1, and a sliding window shorter than
+    ``data.seq_len``.
+    """
+    from transformers import LlamaConfig, MistralConfig
+
+    m = recipe.model
+    if m.config is not None:
+        kwargs = dict(m.config)
+        if tokenizer_size is not None:
+            kwargs.setdefault("vocab_size", tokenizer_size)
+        try:
+            config = {"llama": LlamaConfig, "mistral": MistralConfig}[m.model_type](**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise RecipeError(
+                f"model.config is not a valid {m.model_type} config: {_first_line(exc)}"
+            ) from None
+    else:
+        config = _load_pretrained_config(m.name_or_path)
+    rope = _rope_parameters(config, recipe)
+    if rope:
+        config.rope_parameters = rope
+    if m.max_position_embeddings is not None:
+        config.max_position_embeddings = m.max_position_embeddings
+    if m.sliding_window != "keep" and hasattr(config, "sliding_window"):
+        config.sliding_window = m.sliding_window
+    config.use_cache = False
+    _check_config(recipe, config, tokenizer_size)
+    return config
+
+
+def _check_config(recipe: Recipe, config: Any, tokenizer_size: int | None) -> None:
+    cp, seq_len = recipe.parallel.cp_size, recipe.data.seq_len
+    vocab = getattr(config, "vocab_size", None)
+    if tokenizer_size is not None and vocab is not None and tokenizer_size > vocab:
+        raise RecipeError(
+            f"the tokenizer has {tokenizer_size} tokens but the model's embedding has {vocab} rows: use the "
+            "model's own tokenizer (model.tokenizer) or a model with a large enough vocab_size"
+        )
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type")
+    if cp > 1 and rope_type in POSITION_DEPENDENT_ROPE:
+        raise RecipeError(
+            f"the model's RoPE type {rope_type!r} is not exact with parallel.cp_size={cp} (its frequencies "
+            "depend on the largest position each rank holds): set model.rope_scaling to yarn, llama3 or "
+            "linear, or use cp_size 1"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < seq_len:
+        raise RecipeError(
+            f"the model's sliding_window={window} is shorter than data.seq_len={seq_len}: the ring attends "
+            "to the whole sequence; set model.sliding_window: null (full attention) or a shorter seq_len"
+        )
+
+
+def build_model(recipe: Recipe, vocab_size: int | None = None, config: Any = None) -> nn.Module:
+    """The model with the recipe's RoPE / context overrides applied (not yet on the ring).
+
+    ``vocab_size``: the tokenizer's size (a model built from ``model.config`` gets it as its
+    ``vocab_size`` unless the config names one). ``config``: a config from :func:`model_config`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    dtype = dtype_from_name(m.dtype, allowed=("bf16", "fp32"))
+    config = config if config is not None else model_config(recipe, vocab_size)
+    if m.config is not None:
+        torch.manual_seed(recipe.train.seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(
+        m.name_or_path, config=config, dtype=dtype, attn_implementation="sdpa"
+    )
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Per-layer non-reentrant activation checkpointing, by transformers' current name for it."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.Module:
+    """Checkpointing, the ring, the tiled MLP and LoRA, in that order; returns the model to train."""
+    from ringft.hf import apply_ring_attention
+
+    t = recipe.train
+    if t.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    apply_ring_attention(model, cp_group, recipe.model.attn_backend)
+    if t.tiled_mlp_tokens:
+        from ringft.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model, tile_tokens=t.tiled_mlp_tokens)
+    if recipe.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lc = recipe.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lc.r,
+                lora_alpha=lc.alpha,
+                lora_dropout=lc.dropout,
+                target_modules=list(lc.target_modules),
+                task_type="CAUSAL_LM",
+            ),
+        )
+        if t.gradient_checkpointing:
+            model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def decay_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups of the trainable parameters: matrices (embeddings, projections) decay, vectors
+    (norm weights, biases) do not.
+
+    The rank is read from ``ds_shape`` when present: under DeepSpeed's ``zero.Init`` every parameter
+    is a 1-D partition, and its ``shape`` would put everything into the no-decay group.
+    """
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", None) or param.shape
+        (decay if len(shape) >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
