@@ -70,7 +70,7 @@ def test_every_referenced_file_exists():
         text = path.read_text()
         for ref in re.findall(r"(?:recipes|data_prep)/[\w./-]+\.(?:py|sh|yaml)", text):
             assert (REPO / ref).is_file(), f"{path.name} refers to missing {ref}"
-        assert "/" + "work/" not in text and "../shared" not in text
+        assert "/" + "work/" not in text and "../" + "shared" not in text
     for script in ("run.sh", "measure.sh", "prepare_data.sh"):
         assert os.access(FOLDER / script, os.X_OK)
         subprocess.run(["bash", "-n", str(FOLDER / script)], check=True)
