@@ -27,6 +27,8 @@ __all__ = [
     "SPECIAL_TOKENS",
     "build_demo_tokenizer",
     "demo_corpus",
+    "line_template_pieces",
+    "load_demo_lines_tokenizer",
     "load_demo_tokenizer",
     "load_tokenizer",
     "save_demo_tokenizer",
@@ -132,10 +134,58 @@ def load_demo_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(str(DEMO_TOKENIZER_DIR))
 
 
+def line_template_pieces() -> tuple[str, ...]:
+    """The strings of a ringft-style line-retrieval record that "demo-lines" makes single tokens: the
+    header, the line's middle and end, the question's start and end, and each name noun joined to the
+    text after it in a line (``"otter: REGISTER_CONTENT is <"``) and in the question
+    (``"otter? Answer with the number."``).
+
+    Each piece starts and ends where the record's text pieces do (header | ``line ...>\\n`` | question |
+    `` number``), so tokenizing the pieces one by one equals tokenizing the whole record.
+    """
+    from ringft.lines import text as ld
+
+    question_prefix, question_suffix = ld.QUESTION_TEMPLATE.split("{name}")
+    line_middle, line_end = ld.LINE_TEMPLATE.split("{name}")[1].split("{number}")
+    # "line " stays BPE ("line" + " brave"): the name's first word keeps its usual token.
+    fixed = (ld.PREAMBLE, line_middle, line_end, question_prefix.removesuffix(" "), question_suffix)
+    return fixed + tuple(n + line_middle for n in ld.NOUNS) + tuple(n + question_suffix for n in ld.NOUNS)
+
+
+#: "demo-lines" reads numbers in chunks of up to this many digits, left to right ("31337" -> "313" "37").
+NUMBER_CHUNK = 3
+
+
+def load_demo_lines_tokenizer() -> PreTrainedTokenizerFast:
+    """The demo tokenizer plus added tokens for the pieces of :func:`line_template_pieces` and for
+    every string of 2 or 3 digits: the tokenizer of the CPU demo's base model (recipes/demo/).
+
+    ``line brave-otter: REGISTER_CONTENT is <31337>\\n`` becomes ``line`` `` brave`` ``-``
+    ``otter: REGISTER_CONTENT is <`` ``313`` ``37`` ``>\\n`` (7 tokens instead of 17), the question
+    ends with ``otter? Answer with the number.``, and the 81-token header is one token. Added tokens
+    match leftmost-longest, so a number splits into chunks of 3 digits from the left.
+
+    Why: a 2-layer model retrieves by copying what followed a match (induction). Here the answer's
+    first chunk follows the asked noun's question token in the same way the line's first chunk
+    follows its noun's line token, and the second chunk follows the first in both places, so every
+    answer token is one step of induction (benchmarks/RESULTS.md, "CPU demo base model"). Ids
+    0..len(demo)-1 are the demo tokenizer's.
+    """
+    from tokenizers import AddedToken
+
+    tokenizer = load_demo_tokenizer()
+    chunks = [f"{i:0{width}d}" for width in range(2, NUMBER_CHUNK + 1) for i in range(10**width)]
+    pieces = [*line_template_pieces(), *chunks]
+    tokenizer.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
+    return tokenizer
+
+
 def load_tokenizer(name_or_path: str, **kwargs: Any) -> Any:
-    """``"demo"`` -> :func:`load_demo_tokenizer`, anything else -> ``AutoTokenizer``."""
+    """``"demo"`` / ``"demo-lines"`` -> the shipped demo tokenizer(s), anything else -> ``AutoTokenizer``."""
     if name_or_path == "demo":
         return load_demo_tokenizer()
+    if name_or_path == "demo-lines":
+        return load_demo_lines_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name_or_path, **kwargs)

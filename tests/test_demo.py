@@ -15,15 +15,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ringft.data.synthetic import make_multi_question_example, make_synthetic_dataset
+from ringft.data.synthetic import (
+    make_multi_question_example,
+    make_repeat_dataset,
+    make_repeat_example,
+    make_synthetic_dataset,
+)
 from ringft.demo_tokenizer import load_tokenizer
 from ringft.evals import compare
-from ringft.lines.text import PREAMBLE, QUESTION_TEMPLATE, build_record_text, encode_prompt
+from ringft.lines.text import PREAMBLE, QUESTION_TEMPLATE, build_record_text, encode_prompt, render_line
 from ringft.train.recipe import RecipeError, load_recipe, recipe_from_dict
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES = REPO_ROOT / "recipes"
 BASE_DIR = REPO_ROOT / "ringft" / "assets" / "demo_base"
+WARMUP_RECIPE = RECIPES / "demo" / "base_induction.yaml"
 BASE_RECIPE = RECIPES / "demo" / "base.yaml"
 EXTEND_RECIPE = RECIPES / "demo" / "extend.yaml"
 DEMO_SCRIPT = RECIPES / "demo" / "context_extension.sh"
@@ -110,32 +116,41 @@ def test_compare_cli_writes_one_figure(tmp_path):
 
 
 def test_demo_recipes_load_and_chain():
+    warmup = load_recipe(WARMUP_RECIPE, world_size=1)
     base, extend = load_recipe(BASE_RECIPE, world_size=1), load_recipe(EXTEND_RECIPE, world_size=2)
-    assert base.model.config is not None and base.parallel.cp_size == 1
+    assert warmup.model.config is not None and warmup.data.synthetic.task == "repeat"
+    assert warmup.model.tokenizer == "demo-lines"
+    assert base.model.name_or_path == f"{warmup.checkpoint.output_dir}/final", "stage 0b starts from stage 0a"
+    assert base.data.seq_len == warmup.data.seq_len == warmup.model.config["max_position_embeddings"]
+    assert base.data.synthetic.task == "lines" and base.data.synthetic.questions > 1
+    assert warmup.parallel.cp_size == base.parallel.cp_size == 1
     assert extend.model.name_or_path == BASE_DIR.relative_to(REPO_ROOT).as_posix()
     assert extend.parallel.cp_size == 2, "the demo extends on the ring (CP = 2)"
     assert extend.data.seq_len >= 4 * base.data.seq_len, "extension to at least 4x the trained length"
-    assert extend.model.rope_theta > base.model.config["rope_theta"], "RoPE theta is raised"
+    assert extend.model.rope_theta > warmup.model.config["rope_theta"], "RoPE theta is raised"
     assert extend.model.max_position_embeddings == extend.data.seq_len
-    for recipe in (base, extend):
-        assert recipe.model.tokenizer == "demo" and recipe.data.synthetic.questions > 1
+    assert extend.model.tokenizer is None, "the extension reads the base model's own tokenizer"
 
 
 def test_shipped_base_matches_its_recipe():
-    """The shipped weights are the ones recipes/demo/base.yaml exported: same config, same recipe
-    (ringft_recipe.json, written by the trainer), and the recorded SHA-256."""
+    """The shipped weights are the ones the two base stages exported: the model config of stage 0a
+    (recipes/demo/base_induction.yaml), the recipe of stage 0b (ringft_recipe.json, written by the
+    trainer), the demo-lines tokenizer, and the recorded SHA-256."""
     if not (BASE_DIR / "model.safetensors").is_file():
         pytest.skip("ringft/assets/demo_base is not shipped yet: build it with benchmarks/train_demo_base.py")
-    raw = yaml.safe_load(BASE_RECIPE.read_text())
+    warmup = yaml.safe_load(WARMUP_RECIPE.read_text())
     config = json.loads((BASE_DIR / "config.json").read_text())
-    for key, value in raw["model"]["config"].items():
+    for key, value in warmup["model"]["config"].items():
         if key == "rope_theta":
             assert config["rope_parameters"]["rope_theta"] == value
         else:
             assert config[key] == value, key
-    assert config["vocab_size"] == len(load_tokenizer("demo"))
+    tokenizer = load_tokenizer("demo-lines")
+    assert config["vocab_size"] == len(tokenizer)
+    shipped = load_tokenizer(str(BASE_DIR))
+    assert shipped.get_vocab() == tokenizer.get_vocab()
     exported = json.loads((BASE_DIR / "ringft_recipe.json").read_text())
-    expected = recipe_from_dict(raw).to_dict()
+    expected = recipe_from_dict(yaml.safe_load(BASE_RECIPE.read_text())).to_dict()
     for section in ("model", "data", "parallel", "train"):
         assert exported[section] == expected[section], section
     weights = BASE_DIR / "model.safetensors"
@@ -155,9 +170,9 @@ def test_demo_script_evaluates_before_and_after_on_the_ring():
 # -- multi-question training records ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("demo")
+@pytest.fixture(scope="module", params=["demo", "demo-lines"])
+def tok(request):
+    return load_tokenizer(request.param)
 
 
 def test_multi_question_record_prefix_is_an_eval_record(tok):
@@ -185,7 +200,7 @@ def test_multi_question_labels_and_determinism(tok):
     ex = make_multi_question_example(tok, 256, 7, questions=8)
     assert ex == make_multi_question_example(tok, 256, 7, questions=8)
     answers = [v for v in ex["labels"] if v != -100]
-    assert answers.count(tok.eos_token_id) >= 1 and len(answers) < len(ex["labels"]) // 3
+    assert answers.count(tok.eos_token_id) >= 1 and len(answers) < len(ex["labels"]) // 2
     wide = make_multi_question_example(tok, 256, 7, questions=8, loss_on="questions")
     assert wide["input_ids"] == ex["input_ids"]
     assert sum(v != -100 for v in wide["labels"]) > len(answers)
@@ -210,3 +225,67 @@ def test_questions_option_is_checked_in_the_recipe():
     raw["data"]["synthetic"].update(questions=1, loss_on="questions")
     with pytest.raises(RecipeError, match=r"loss_on=questions needs data.synthetic.questions > 1"):
         recipe_from_dict(raw)
+
+
+# -- the demo-lines tokenizer and the induction warm-up records -----------------------------------
+
+
+def test_demo_lines_tokenizer_makes_template_pieces_and_number_chunks_single_tokens():
+    demo, lines = load_tokenizer("demo"), load_tokenizer("demo-lines")
+    assert lines.convert_ids_to_tokens(list(range(len(demo)))) == demo.convert_ids_to_tokens(
+        list(range(len(demo)))
+    )
+    line = render_line("brave-tiger", 31337)
+    ids = lines(line, add_special_tokens=False)["input_ids"]
+    pieces = [lines.decode([i]) for i in ids]
+    assert pieces == ["line", " brave", "-", "tiger: REGISTER_CONTENT is <", "313", "37", ">\n"]
+    for number, chunks in ((7, ["7"]), (40001, ["400", "01"]), (1234, ["123", "4"]), (50000, ["500", "00"])):
+        got = [lines.decode([i]) for i in lines(f" {number}", add_special_tokens=False)["input_ids"]]
+        assert got == [" ", *chunks]
+    record = build_record_text(["brave-tiger", "calm-turtle"], [31337, 12], 1, "ringft")
+    ids = lines(record)["input_ids"]
+    assert len(ids) == 1 + 1 + 7 + 6 + 4  # BOS, header, 2 lines, question
+    assert lines.decode(ids[-1:]) == "turtle? Answer with the number."
+    assert lines.decode(lines(record)["input_ids"], skip_special_tokens=True) == record
+
+
+def test_multi_question_records_fill_the_length_with_short_lines():
+    """With 6-7-token lines a record holds more lines than the first guess of the line pool (seq_len / 15)."""
+    tok = load_tokenizer("demo-lines")
+    most = 0
+    for seed in range(40):
+        ex = make_multi_question_example(tok, 512, seed, questions=1)
+        assert len(ex["input_ids"]) <= 512
+        most = max(most, sum(t == tok.convert_tokens_to_ids("line") for t in ex["input_ids"]))
+    assert most > 512 // 15
+
+
+def test_repeat_examples_copy_a_random_run():
+    tok = load_tokenizer("demo-lines")
+    for seed in range(20):
+        ex = make_repeat_example(tok, 128, seed)
+        ids, labels = ex["input_ids"], ex["labels"]
+        m = (len(ids) - 1) // 2
+        assert ids[0] == tok.bos_token_id and len(ids) == len(labels) == 1 + 2 * m <= 128 and m >= 8
+        assert ids[1 : 1 + m] == ids[1 + m :] and not set(ids[1:]) & set(tok.all_special_ids)
+        assert labels[: m + 2] == [-100] * (m + 2) and labels[m + 2 :] == ids[m + 2 :]
+    assert make_repeat_example(tok, 128, 3) == make_repeat_example(tok, 128, 3)
+    assert (
+        make_repeat_dataset(tok, 3, 128, seed=0)["input_ids"][2]
+        != make_repeat_dataset(tok, 3, 128, seed=1)["input_ids"][2]
+    )
+    with pytest.raises(ValueError, match="too short"):
+        make_repeat_example(tok, 16, 0)
+
+
+def test_repeat_task_is_checked_in_the_recipe():
+    raw = yaml.safe_load((RECIPES / "demo" / "base_induction.yaml").read_text())
+    assert recipe_from_dict(raw).data.synthetic.task == "repeat"
+    for key, value in (("loss_on", "all"), ("questions", 4), ("min_len", 64)):
+        bad = yaml.safe_load((RECIPES / "demo" / "base_induction.yaml").read_text())
+        bad["data"]["synthetic"][key] = value
+        with pytest.raises(RecipeError, match="task=repeat makes its own records"):
+            recipe_from_dict(bad)
+    bad["data"]["synthetic"] = {"task": "copy"}
+    with pytest.raises(RecipeError, match="data.synthetic.task"):
+        recipe_from_dict(bad)

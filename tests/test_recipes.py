@@ -40,6 +40,7 @@ FULL_FT = ["deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
 # must match exactly one entry, so a new recipe has to say how it is launched.
 LAUNCH = [
     ("demo_cpu.yaml", ["cpu_2proc.yaml"]),
+    ("demo/base_induction.yaml", []),  # one process, no launcher (stage 0a of the demo base model)
     ("demo/base.yaml", []),  # one process, no launcher: `python -m ringft train recipes/demo/base.yaml`
     ("demo/extend.yaml", ["cpu_2proc.yaml"]),
     ("llama3_8b_512k/stage?_*k.yaml", FULL_FT),

@@ -1,4 +1,5 @@
-"""Synthetic line-retrieval *training* data (no download): records with the answer appended."""
+"""Synthetic *training* data (no download): line-retrieval records with the answer appended, and
+repeated random token runs (an induction warm-up for models trained from scratch)."""
 
 from __future__ import annotations
 
@@ -98,24 +99,13 @@ def make_multi_question_example(
 
     rng = random.Random(seed)
     stream = RecordStream(rng.randrange(1 << 62), 2)
-    # Enough lines for the longest record (a line has >= 15 tokens), tokenized in one batched call.
-    pool = max(1, seq_len // 15)
-    stream.ensure(pool)
-    texts = [PREAMBLE, f" {MAX_NUMBER}"]
-    texts += [render_line(a, b) for a, b in zip(stream.names, stream.numbers, strict=True)]
-    texts += [QUESTION_TEMPLATE.format(name=a) for a in stream.names]
-    texts += [f" {b}" for b in stream.numbers]
-    enc = [list(x) for x in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
-    head, answer_room = [bos, *enc[0]], len(enc[1]) + 1
-    line_ids, question_ids, number_ids = enc[2 : 2 + pool], enc[2 + pool : 2 + 2 * pool], enc[2 + 2 * pool :]
-    lines = 0
-    used, block = len(head), 0
-    while lines < pool:  # grow the line count until one more line would leave no room to ask any line
-        asked = len(question_ids[lines]) + answer_room
-        if used + len(line_ids[lines]) + max(block, asked) > seq_len:
+    pool = max(1, seq_len // 15)  # first guess of the most lines that fit (>= 15 tokens in most tokenizers)
+    while True:  # grow the pool until the record is limited by seq_len, not by the pool
+        head, answer_room, line_ids, question_ids, number_ids = _tokenized_pool(tokenizer, stream, pool)
+        lines = _lines_that_fit(head, answer_room, line_ids, question_ids, seq_len)
+        if lines < pool:
             break
-        used, block = used + len(line_ids[lines]), max(block, asked)
-        lines += 1
+        pool *= 2
     if not lines:
         raise ValueError(f"seq_len={seq_len} cannot hold one line and one question")
     n = rng.randint(1, lines)
@@ -133,6 +123,34 @@ def make_multi_question_example(
         asked_labels = question_ids[asked] if loss_on == "questions" else [-100] * len(question_ids[asked])
         labels += asked_labels + answer
     return {"input_ids": ids, "labels": labels}
+
+
+def _tokenized_pool(
+    tokenizer: Any, stream: RecordStream, pool: int
+) -> tuple[list[int], int, list, list, list]:
+    """Header ids, answer room, and the ids of ``pool`` lines, questions and answers (one batched call)."""
+    stream.ensure(pool)
+    texts = [PREAMBLE, f" {MAX_NUMBER}"]
+    texts += [render_line(a, b) for a, b in zip(stream.names[:pool], stream.numbers[:pool], strict=True)]
+    texts += [QUESTION_TEMPLATE.format(name=a) for a in stream.names[:pool]]
+    texts += [f" {b}" for b in stream.numbers[:pool]]
+    enc = [list(x) for x in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+    head = [tokenizer.bos_token_id, *enc[0]]
+    return head, len(enc[1]) + 1, enc[2 : 2 + pool], enc[2 + pool : 2 + 2 * pool], enc[2 + 2 * pool :]
+
+
+def _lines_that_fit(
+    head: list[int], answer_room: int, line_ids: list, question_ids: list, seq_len: int
+) -> int:
+    """The most leading lines that leave room to ask any one of them (question + answer + EOS)."""
+    lines, used, block = 0, len(head), 0
+    while lines < len(line_ids):
+        asked = len(question_ids[lines]) + answer_room
+        if used + len(line_ids[lines]) + max(block, asked) > seq_len:
+            break
+        used, block = used + len(line_ids[lines]), max(block, asked)
+        lines += 1
+    return lines
 
 
 def make_synthetic_dataset(
@@ -193,3 +211,42 @@ def make_synthetic_dataset(
         }
     )
     return datasets.Dataset.from_dict(rows, features=features)
+
+
+def make_repeat_example(tokenizer: Any, seq_len: int, seed: int) -> dict[str, list[int]]:
+    """BOS, a run of ``m`` random non-special tokens, then the same run again (``1 + 2m <= seq_len``,
+    ``m`` uniform from 8): ``labels`` are -100 except on the copy's tokens after its first.
+
+    Predicting the copy means finding the current token earlier and reading what followed it: the
+    induction circuit. A fresh tiny model forms it here in ~1000 steps, and line retrieval (which
+    needs it) then trains in a few thousand instead of not at all (benchmarks/RESULTS.md).
+    """
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        raise ValueError("repeat examples need a tokenizer with a bos_token_id")
+    top = (seq_len - 1) // 2
+    if top < 8:
+        raise ValueError(f"seq_len={seq_len} is too short for repeat examples (need >= 17)")
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(seed)
+    run = [rng.choice(vocab) for _ in range(rng.randint(8, top))]
+    ids = [bos, *run, *run]
+    labels = [-100] * (len(run) + 2) + run[1:]
+    return {"input_ids": ids, "labels": labels}
+
+
+def make_repeat_dataset(tokenizer: Any, num_examples: int, seq_len: int, seed: int) -> Any:
+    """A ``datasets.Dataset`` of :func:`make_repeat_example` rows (example ``i``: seed
+    ``derive_seed("repeat", seed, i)``)."""
+    import datasets
+
+    rows = [
+        make_repeat_example(tokenizer, seq_len, derive_seed("repeat", seed, i)) for i in range(num_examples)
+    ]
+    _list_feature = getattr(datasets, "List", None) or datasets.Sequence
+    feature = _list_feature(datasets.Value("int32"))
+    return datasets.Dataset.from_dict(
+        {k: [r[k] for r in rows] for k in ("input_ids", "labels")},
+        features=datasets.Features({"input_ids": feature, "labels": feature}),
+    )

@@ -45,7 +45,7 @@ class EvalPlan:
 def _load_tokenizer(name: str) -> Any:
     from ringft.demo_tokenizer import load_tokenizer
 
-    if name != "demo":
+    if name not in ("demo", "demo-lines"):
         check_model_path(name)  # the same "no such folder" rule as --model
     try:
         return load_tokenizer(name)

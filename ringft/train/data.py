@@ -220,9 +220,12 @@ def load_training_data(recipe: Recipe, tokenizer: Any, vocab_size: int) -> Train
         if "input_ids" not in ds.column_names:
             raise RecipeError(f"dataset {d.path!r} has no input_ids column (columns: {ds.column_names})")
         return check_rows(ds, recipe, vocab_size, repr(d.path))
-    from ringft.data.synthetic import make_synthetic_dataset
+    from ringft.data.synthetic import make_repeat_dataset, make_synthetic_dataset
 
     syn = d.synthetic
+    if syn.task == "repeat":
+        ds = make_repeat_dataset(tokenizer, syn.num_examples, d.seq_len, recipe.train.seed)
+        return check_rows(ds, recipe, vocab_size, "data.synthetic")
     ds = make_synthetic_dataset(
         tokenizer,
         syn.num_examples,

@@ -96,9 +96,13 @@ class ModelConfig(Section):
 
 @dataclass
 class SyntheticConfig(Section):
-    """``data.synthetic``: line-retrieval records generated from ``train.seed`` (no download)."""
+    """``data.synthetic``: line-retrieval records (or, ``task: repeat``, repeated random token runs)
+    generated from ``train.seed`` (no download)."""
 
     NAME = "data.synthetic"
+    # "lines": line-retrieval records; "repeat": a random token run then the same run again, loss on
+    # the copy (teaches a fresh model to copy from context: the induction warm-up of the CPU demo)
+    task: str = choice("lines", ("lines", "repeat"))
     num_examples: int = integer(256, lo=1)
     min_len: int | None = integer(None, lo=1, optional=True)  # lengths drawn from [min_len, seq_len]
     # loss on the answer tokens only, on all tokens, or (questions > 1) on the question/answer blocks
@@ -106,6 +110,13 @@ class SyntheticConfig(Section):
     questions: int = integer(1, lo=1)  # > 1: several questions per record, each record up to seq_len
 
     def check(self) -> None:
+        if self.task == "repeat" and (
+            self.min_len is not None or self.loss_on != "answer" or self.questions > 1
+        ):
+            raise RecipeError(
+                "data.synthetic.task=repeat makes its own records (loss on the repeated copy): leave "
+                "min_len, loss_on and questions unset"
+            )
         if self.questions > 1 and (self.loss_on == "all" or self.min_len is not None):
             raise RecipeError(
                 f"data.synthetic.questions={self.questions} makes records of up to seq_len tokens with the "
