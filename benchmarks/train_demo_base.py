@@ -1,6 +1,6 @@
 """Retrain the CPU demo's base model and refresh ringft/assets/demo_base.
 
-A benchmark, not a test (~20 min on one CPU core): it runs the two stages in one process with one
+A benchmark, not a test (~40 min on one CPU core): it runs the two stages in one process with one
 thread each (recipes/demo/base_induction.yaml: induction warm-up on repeated random runs, then
 recipes/demo/base.yaml: line retrieval at 128 tokens), evaluates line retrieval at the trained
 length (128) and at 4x (512) on 2 processes, and copies the exported model (weights, config,

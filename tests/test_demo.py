@@ -10,12 +10,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ringft.data.synthetic import (
+    LAST_LINE_SHARE,
     make_multi_question_example,
     make_repeat_dataset,
     make_repeat_example,
@@ -32,10 +34,10 @@ BASE_DIR = REPO_ROOT / "ringft" / "assets" / "demo_base"
 WARMUP_RECIPE = RECIPES / "demo" / "base_induction.yaml"
 BASE_RECIPE = RECIPES / "demo" / "base.yaml"
 EXTEND_RECIPE = RECIPES / "demo" / "extend.yaml"
-DEMO_SCRIPT = RECIPES / "demo" / "context_extension.sh"
+DEMO_SCRIPT = RECIPES / "demo_cpu.sh"
 # SHA-256 of the shipped ringft/assets/demo_base/model.safetensors, printed by
 # benchmarks/train_demo_base.py when it installs a retrained model (update both together).
-SHIPPED_SHA256 = "TO-BE-FILLED"
+SHIPPED_SHA256 = "7559d16a53976205f4d3bb4eb5fa0d69fe4f24ac66fdafbc9c5a7a266e72380d"
 
 
 # -- compare.py --------------------------------------------------------------------------------
@@ -212,6 +214,29 @@ def test_multi_question_labels_and_determinism(tok):
         make_synthetic_dataset(tok, 2, 256, seed=0, questions=4, min_len=128)
     with pytest.raises(ValueError, match="needs questions > 1"):
         make_synthetic_dataset(tok, 2, 256, seed=0, loss_on="questions")
+
+
+def _asked_lines(tok, ex) -> tuple[int, list[int]]:
+    """(lines in the record, index of the line each question asks), read back from the tokens."""
+    text = tok.decode(ex["input_ids"], skip_special_tokens=True)
+    lines = [line.split(" ")[1].rstrip(":") for line in text.splitlines() if line.startswith("line ")]
+    prefix, suffix = QUESTION_TEMPLATE.split("{name}")
+    asked = [lines.index(part.split(suffix)[0]) for part in text.split(prefix)[1:]]
+    return len(lines), asked
+
+
+def test_questions_ask_the_last_line_as_often_as_the_eval_does():
+    """The first question asks the last line with probability LAST_LINE_SHARE + (1 - share) / n (the
+    eval's depth 1.0 is one of five depths); later questions draw lines with replacement, so the
+    number just before a question is sometimes the answer. Binomial bounds at 5 sigma."""
+    tok = load_tokenizer("demo-lines")
+    records = [_asked_lines(tok, make_multi_question_example(tok, 128, s, questions=8)) for s in range(400)]
+    first_last = sum(asked[0] == n - 1 for n, asked in records)
+    expected = sum(LAST_LINE_SHARE + (1 - LAST_LINE_SHARE) / n for n, _ in records)
+    assert abs(first_last - expected) < 5 * math.sqrt(expected)
+    repeats = sum(b == a for n, asked in records if n > 1 for a, b in zip(asked, asked[1:]))
+    pairs = sum(len(asked) - 1 for n, asked in records if n > 1)
+    assert repeats > 0 and pairs > 100
 
 
 def test_questions_option_is_checked_in_the_recipe():

@@ -31,7 +31,7 @@ from ringft.lines import (
     target_index_for_depth,
     unique_names,
 )
-from ringft.lines.text import RecordStream
+from ringft.lines.text import NOUNS, RecordStream
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION_RE = re.compile(
@@ -114,6 +114,13 @@ def test_names_unique_and_scale():
     assert unique_names(100, seed=1) != unique_names(100, seed=2)
     # Prefix property: the first names do not depend on how many are asked for.
     assert unique_names(500, seed=4)[:100] == unique_names(100, seed=4)
+    # The first len(NOUNS) names have distinct nouns (then nouns repeat); without the rule, a
+    # 70-name draw repeats nouns (the birthday bound over 130 nouns).
+    for seed in range(5):
+        nouns = [n.split("-")[-1] for n in unique_names(300, seed=seed, num_words=2)]
+        assert len(set(nouns[: len(NOUNS)])) == len(NOUNS) and len(set(nouns)) == len(NOUNS)
+        free = [n.split("-")[-1] for n in unique_names(70, seed=seed, num_words=2, distinct_nouns=False)]
+        assert len(set(free)) < 70
 
 
 @pytest.mark.timeout(120)

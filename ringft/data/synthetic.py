@@ -67,6 +67,9 @@ def make_synthetic_example(
     return {"input_ids": ids, "labels": labels}
 
 
+LAST_LINE_SHARE = 0.2  # of multi-question records whose first question asks the last line (1 of 5 depths)
+
+
 def make_multi_question_example(
     tokenizer: Any,
     seq_len: int,
@@ -78,14 +81,18 @@ def make_multi_question_example(
 
     Layout: ``BOS header line_1 .. line_n`` then up to ``questions`` blocks ``question_j " number_j" EOS``.
     The first block makes the example's prefix exactly an eval record (``ringft eval-lines
-    --prompt-style ringft``) followed by its answer; each further block asks another line (lines
-    are asked in a random order, each once before any is asked again), so one sequence supervises
-    several retrievals. ``n`` is drawn uniformly from 1 to the most lines that fit with one
-    question (a curriculum from pure copying to choosing among many lines), and as many blocks as
-    fit follow. ``labels`` are -100 except on each block's " number" tokens and its EOS
-    (``loss_on="answer"``), or on every question and answer token (``loss_on="questions"``: the
-    asked names are then predicted too, by finding them among the lines, an induction task that
-    forms the retrieval circuit sooner).
+    --prompt-style ringft``) followed by its answer; each further block asks a line drawn
+    uniformly, with replacement, so one sequence supervises several retrievals. Replacement matters:
+    the number just before a question (the last line's, or the previous answer's) must be the answer
+    as often as any other; drawn without replacement it never was after the first block, and the
+    model learned to skip it (0/8 at depth 100%, benchmarks/RESULTS.md). Even so a 2-layer model
+    keeps missing the line right before the question, so the first block asks the last line with
+    probability ``LAST_LINE_SHARE`` (then uniformly): as often as eval-lines' depth 1.0 asks it.
+    ``n`` is drawn uniformly from 1 to the most lines that fit with one question (a curriculum from
+    pure copying to choosing among many lines), and as many blocks as fit follow. ``labels`` are
+    -100 except on each block's " number" tokens and its EOS (``loss_on="answer"``), or on every
+    question and answer token (``loss_on="questions"``: the asked names are then predicted too, by
+    finding them among the lines, an induction task that forms the retrieval circuit sooner).
     Pieces are tokenized separately: the demo tokenizer splits at newlines and digits, so the
     concatenation equals the whole text's tokenization (tests/test_demo.py checks it).
     """
@@ -111,11 +118,9 @@ def make_multi_question_example(
     n = rng.randint(1, lines)
     ids = head + [tok for line in line_ids[:n] for tok in line]
     labels = [-100] * len(ids)
-    order: list[int] = []
-    for _ in range(questions):
-        if not order:
-            order = rng.sample(range(n), n)
-        asked = order.pop()
+    for block in range(questions):
+        first_asks_last = block == 0 and rng.random() < LAST_LINE_SHARE
+        asked = n - 1 if first_asks_last else rng.randrange(n)  # with replacement: see the docstring
         answer = [*number_ids[asked], eos]
         if len(ids) + len(question_ids[asked]) + len(answer) > seq_len:
             break

@@ -2,7 +2,7 @@
 
 Each run is read from its ``summary.csv`` by column name (``length``, ``depth``, ``accuracy``, and
 ``cases`` when present; other columns are ignored), so the comparison keeps working when the eval
-adds columns. Used by ``recipes/demo/context_extension.sh``::
+adds columns. Used by ``recipes/demo_cpu.sh``::
 
     python -m ringft.evals.compare outputs/demo/eval-before outputs/demo/eval-after \\
         --labels "base model" "extended" --figure outputs/demo/before_after.png

@@ -151,14 +151,21 @@ class RecordStream:
     """Lazily generated, deterministic sequence of (name, number) record lines.
 
     Line ``i`` depends only on the seed and ``num_words``, never on how many lines are
-    eventually used, so ``lines[:n]`` is a prefix of ``lines[:m]`` for ``n < m``.
+    eventually used, so ``lines[:n]`` is a prefix of ``lines[:m]`` for ``n < m``. Names are unique,
+    and with ``distinct_nouns`` (the default) the first ``len(NOUNS)`` lines have distinct nouns
+    (last words): a record of up to 130 lines is told apart by one word per line, as LongChat's
+    large word lists make likely (with 130 nouns drawn freely, ~40% of the lines of a 70-line record
+    would share their noun with another). ``distinct_nouns=False`` is the draw before that rule,
+    kept for the demo tokenizer's training corpus.
     """
 
-    def __init__(self, seed: int, num_words: int) -> None:
+    def __init__(self, seed: int, num_words: int, distinct_nouns: bool = True) -> None:
         self._rng = random.Random(seed)
         self.num_words = num_words
+        self.distinct_nouns = distinct_nouns
         self._capacity = name_capacity(num_words)
         self._used: set[int] = set()
+        self._nouns: set[int] = set()
         self.names: list[str] = []
         self.numbers: list[int] = []
 
@@ -168,10 +175,14 @@ class RecordStream:
             raise ValueError(f"cannot make {count} unique {self.num_words}-word names")
         rng = self._rng
         while len(self.names) < count:
+            # a new noun (the last word) while unused nouns remain, so that lines are told apart by
+            # their last word as long as possible; then any unused name
+            fresh_noun = self.distinct_nouns and len(self._nouns) < len(NOUNS)
             code = rng.randrange(self._capacity)
-            while code in self._used:  # rejection sampling; capacity >> count keeps it fast
-                code = rng.randrange(self._capacity)
+            while code in self._used or (fresh_noun and code % len(NOUNS) in self._nouns):
+                code = rng.randrange(self._capacity)  # rejection sampling; capacity >> count keeps it fast
             self._used.add(code)
+            self._nouns.add(code % len(NOUNS))
             self.names.append(_decode_name(code, self.num_words))
             self.numbers.append(rng.randint(MIN_NUMBER, MAX_NUMBER))
 
@@ -182,13 +193,15 @@ class RecordStream:
 _RecordStream = RecordStream  # the former private name, until ringft.data.synthetic imports RecordStream
 
 
-def unique_names(count: int, seed: int, num_words: int | None = None) -> list[str]:
-    """``count`` distinct, digit-free names in a deterministic random order.
+def unique_names(
+    count: int, seed: int, num_words: int | None = None, distinct_nouns: bool = True
+) -> list[str]:
+    """``count`` distinct, digit-free names in a deterministic random order (see :class:`RecordStream`).
 
     ``num_words`` defaults to the smallest word count that keeps the name space at least
     twice as large as ``count`` (2 words up to ~7K names, 3 words up to ~1M, ...).
     """
-    stream = RecordStream(seed, num_words or _words_for(count))
+    stream = RecordStream(seed, num_words or _words_for(count), distinct_nouns)
     stream.ensure(count)
     return list(stream.names)
 
