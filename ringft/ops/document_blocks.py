@@ -2,13 +2,15 @@
 
 Step 0 is a varlen causal attention over the local document ranges: a backend's own
 ``forward_varlen`` / ``backward_varlen`` when it has one (flash-attn, the reference's mask),
-otherwise fused calls per document (long documents in causal tiles plus rectangles where the
-backend asks for it: ``causal_tile``, torch on CPU). Later steps are one unmasked rectangle per row
+otherwise fused calls per document, or, where the backend asks for it (``causal_tile``, torch on
+CPU), aligned tiles in one batched masked call plus rectangles. Later steps are one unmasked rectangle per row
 (or none).
 Batch rows with the same plan share each call.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -24,6 +26,7 @@ __all__ = [
     "Piece",
     "backward_block_documents",
     "causal_pieces",
+    "tile_mask",
     "forward_block_documents",
     "varlen_backward",
     "varlen_forward",
@@ -36,20 +39,70 @@ def _row_groups(plan: DocumentPlan) -> list[tuple[slice, RowPlan]]:
     return [(slice(b, b + 1), row) for b, row in enumerate(plan.rows)]
 
 
-def causal_pieces(bounds: tuple[int, ...], tile: int | None) -> list[tuple[int, int, int, int, bool]]:
-    """The calls that cover the causal triangle of every segment ``[bounds[i], bounds[i+1])``:
-    ``(q0, q1, k0, k1, causal)``. With ``tile``, a longer segment is cut into causal diagonal tiles
-    of ``tile`` queries, each followed by the unmasked rectangle of its queries against the
-    segment's earlier keys (so a diagonal tile comes before the rectangle of the same rows)."""
-    pieces = []
+def causal_pieces(
+    bounds: tuple[int, ...], tile: int | None
+) -> tuple[int, list[tuple[int, int, int, int, bool]]]:
+    """How to cover the causal triangle of every segment ``[bounds[i], bounds[i+1])`` of
+    ``[0, bounds[-1])``: ``(aligned, pieces)``.
+
+    Without ``tile``: ``aligned = 0`` and one causal call ``(q0, q1, k0, k1, True)`` per segment.
+    With ``tile``, ``[0, aligned)`` (``aligned`` = the largest multiple of ``tile``) is cut into
+    aligned tiles of ``tile`` tokens that run in one batched call masked to "same segment, key <=
+    query" (:func:`tile_mask`); the pieces are then the causal calls of the segments' parts in the
+    tail ``[aligned, end)``, followed by unmasked rectangles covering each segment's remaining pairs
+    (key in an earlier tile than the query): the staircase of its tile-aligned units, by recursive
+    halving, so few and large calls. A row's diagonal result comes before its rectangles.
+    Cached: every layer of a step asks for the same bounds.
+    """
+    if tile is None:
+        return 0, tuple((x, y, x, y, True) for x, y in zip(bounds, bounds[1:]))
+    end = bounds[-1]
+    aligned = end - end % tile
+    tail = [(max(x, aligned), y) for x, y in zip(bounds, bounds[1:]) if y > aligned]
+    pieces = [(x, y, x, y, True) for x, y in tail]
     for x, y in zip(bounds, bounds[1:]):
-        step = y - x if tile is None or y - x <= tile else tile
-        for a in range(x, y, step):
-            b = min(a + step, y)
-            pieces.append((a, b, a, b, True))
-            if a > x:
-                pieces.append((a, b, x, a, False))
-    return pieces
+        cuts = [x, *range((x // tile + 1) * tile, y, tile), y]
+        halves = [(0, len(cuts) - 1)]
+        while halves:
+            lo, hi = halves.pop()
+            if hi - lo >= 2:
+                mid = (lo + hi) // 2
+                pieces.append((cuts[mid], cuts[hi], cuts[lo], cuts[mid], False))
+                halves += [(lo, mid), (mid, hi)]
+    return aligned, tuple(pieces)
+
+
+@lru_cache(maxsize=4)
+def tile_mask(
+    bounds: tuple[int, ...], aligned: int, tile: int, batch: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Additive mask ``(batch * aligned / tile, 1, tile, tile)`` of the aligned tiles of
+    :func:`causal_pieces`: 0 where key and query share a segment and key <= query, else -inf.
+    Cached: every layer (forward, recomputation, backward) of a step reuses it."""
+    cuts = torch.tensor(bounds[1:-1], dtype=torch.long, device=device)
+    segment = torch.searchsorted(cuts, torch.arange(aligned, device=device), right=True).view(-1, tile)
+    keep = segment[:, :, None] == segment[:, None, :]
+    keep &= torch.ones(tile, tile, dtype=torch.bool, device=device).tril()
+    mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    return mask.unsqueeze(1).repeat(batch, 1, 1, 1)
+
+
+def _tiles(t: Tensor, aligned: int, tile: int) -> Tensor:
+    """``t[:, :aligned] (B, aligned, H, D)`` -> ``(B * aligned / tile, tile, H, D)`` (a view when
+    contiguous)."""
+    return t[:, :aligned].reshape(-1, tile, *t.shape[2:])
+
+
+def _untile_lse(lse: Tensor, batch: int, aligned: int) -> Tensor:
+    """Tiled lse ``(B * n, H, tile)`` -> ``(B, H, n * tile)``."""
+    n, heads, tile = lse.shape[0] // batch, lse.shape[1], lse.shape[2]
+    return lse.view(batch, n, heads, tile).permute(0, 2, 1, 3).reshape(batch, heads, aligned)
+
+
+def _tile_lse(lse: Tensor, aligned: int, tile: int) -> Tensor:
+    """``lse[..., :aligned] (B, H, aligned)`` -> ``(B * aligned / tile, H, tile)``."""
+    batch, heads = lse.shape[:2]
+    return lse[..., :aligned].reshape(batch, heads, -1, tile).permute(0, 2, 1, 3).reshape(-1, heads, tile)
 
 
 def _tile(kernel: BlockAttention, q: Tensor) -> int | None:
@@ -64,14 +117,27 @@ def varlen_forward(
     k/v ``(B, S, Hkv, D)``: ``(out (B, S, Hq, D) in the accumulator dtype, lse (B, Hq, S))``.
 
     A backend's own ``forward_varlen`` when it has one, else the fused op per
-    :func:`causal_pieces` (tiles of the backend's ``causal_tile``), merged by log-sum-exp."""
+    :func:`causal_pieces` (aligned tiles of the backend's ``causal_tile``), merged by log-sum-exp."""
     acc = accumulator_dtype(q.dtype)
     if hasattr(kernel, "forward_varlen"):
         out, lse = kernel.forward_varlen(q, k, v, bounds, softmax_scale)
         return out.to(acc), lse.to(acc)
-    out = torch.empty(q.shape, dtype=acc, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc, device=q.device)
-    for q0, q1, k0, k1, causal in causal_pieces(bounds, _tile(kernel, q)):
+    batch, seq = q.shape[:2]
+    tile = _tile(kernel, q)
+    aligned, pieces = causal_pieces(bounds, tile)
+    tiles = None
+    if aligned:
+        mask = tile_mask(bounds, aligned, tile, batch, q.dtype, q.device)
+        o, l_ = kernel.forward_masked(*(_tiles(t, aligned, tile) for t in (q, k, v)), mask, softmax_scale)
+        tiles = o.reshape(batch, aligned, *q.shape[2:]), _untile_lse(l_, batch, aligned)
+    if tiles is not None and aligned == seq and tiles[0].dtype == acc:
+        out, lse = tiles  # fresh tensors, no copy
+    else:
+        out = torch.empty(q.shape, dtype=acc, device=q.device)
+        lse = torch.empty((batch, q.shape[2], seq), dtype=acc, device=q.device)
+        if tiles is not None:
+            out[:, :aligned], lse[:, :, :aligned] = tiles
+    for q0, q1, k0, k1, causal in pieces:
         o, l_ = kernel.forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, softmax_scale)
         if causal:  # the first result for these rows
             out[:, q0:q1], lse[:, :, q0:q1] = o, l_
@@ -92,16 +158,32 @@ def varlen_backward(
     softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`varlen_forward` w.r.t. the merged ``out``/``lse``: ``(dq, dk, dv)`` shaped
-    like q and k/v (the accumulator dtype when a segment was cut into tiles)."""
+    like q and k/v (the accumulator dtype when the block was cut into tiles)."""
     if hasattr(kernel, "backward_varlen"):
         return kernel.backward_varlen(dout, q, k, v, out, lse, bounds, softmax_scale)
-    pieces = causal_pieces(bounds, _tile(kernel, q))
-    disjoint = all(p[4] for p in pieces)  # one piece per segment: each gradient entry written once
+    tile = _tile(kernel, q)
+    aligned, pieces = causal_pieces(bounds, tile)
+    acc = accumulator_dtype(q.dtype)
+    disjoint = not aligned and all(p[4] for p in pieces)  # one piece per segment: each entry written once
+    tiles = None
+    if aligned:
+        mask = tile_mask(bounds, aligned, tile, q.shape[0], q.dtype, q.device)
+        grads = kernel.backward_masked(
+            *(_tiles(t, aligned, tile) for t in (dout, q, k, v, out)),
+            _tile_lse(lse, aligned, tile),
+            mask,
+            softmax_scale,
+        )
+        tiles = [g.reshape(t.shape[0], aligned, *t.shape[2:]) for g, t in zip(grads, (q, k, v))]
     if disjoint:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    elif tiles is not None and aligned == q.shape[1] and q.dtype == acc:
+        dq, dk, dv = tiles  # fresh tensors: the rectangles add into them
     else:  # tiles and rectangles add up, in the accumulator dtype
-        acc = accumulator_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+        if tiles is not None:
+            for grad, g in zip((dq, dk, dv), tiles):
+                grad[:, :aligned] = g
     for q0, q1, k0, k1, causal in pieces:
         gq, gk, gv = kernel.backward(
             dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1],

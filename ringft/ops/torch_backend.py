@@ -18,9 +18,9 @@ Tensor = torch.Tensor
 
 __all__ = ["CPU_CAUSAL_TILE", "EFFICIENT_LSE_ALIGN", "TorchBackend", "pad_lse_for_efficient_backward"]
 
-# Causal blocks longer than this are cut into diagonal tiles of this many queries plus rectangles
-# on CPU (see TorchBackend.causal_tile).
-CPU_CAUSAL_TILE = 128
+# On CPU the causal blocks of packed documents run as aligned tiles of this many tokens (one batched
+# masked call) plus rectangles (see TorchBackend.causal_tile).
+CPU_CAUSAL_TILE = 64
 
 # The efficient-attention kernel stores its lse with the sequence dim rounded up to this multiple
 # (kAlignLSE in aten/src/ATen/native/transformers/cuda/mem_eff_attention) and its backward reads
@@ -56,16 +56,42 @@ class TorchBackend:
 
     @staticmethod
     def causal_tile(q: Tensor) -> int | None:
-        """Query tile for the causal blocks of packed documents (``ringft.ops.document_blocks``), or
+        """Tile size for the causal blocks of packed documents (``ringft.ops.document_blocks``), or
         None to run each document's causal block in one call.
 
         CPU: the fused kernel computes a causal block in key tiles of 512 (query tiles of 32 to 256)
         and masks inside them, so a short causal block costs its full square: measured forward +
         backward (4 heads, head_dim 64, one thread) 120 ns per causal pair at 512 tokens, 88 at
-        1024, against 60 for rectangles. Tiles of 128 plus rectangles waste about 64 keys per query.
+        1024, against 59-63 for rectangles of >= 256 keys. So on CPU the block is cut into aligned
+        tiles of 64 tokens, all in one batched masked call (:meth:`forward_masked`), plus rectangles
+        by recursive halving: about 32 wasted keys per query. Tiles of 128 measured the same at 16
+        documents of 16K tokens and 6 % slower at 256 (benchmarks/RESULTS.md, packed documents).
         CUDA kernels skip masked tiles at a finer grain: one call per document.
         """
         return CPU_CAUSAL_TILE if q.device.type == "cpu" else None
+
+    @staticmethod
+    def forward_masked(
+        q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softmax_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """CPU only: ``(out (B, Sq, Hq, D), lse (B, Hq, Sq))`` of q ``(B, Sq, Hq, D)`` against k/v
+        ``(B, Sk, Hkv, D)`` with the additive ``mask (B, 1, Sq, Sk)`` (0 or -inf, q's dtype; no row
+        fully masked)."""
+        return _cpu_forward(q, k, v, False, softmax_scale, mask)
+
+    @staticmethod
+    def backward_masked(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        mask: Tensor,
+        softmax_scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """CPU only: the backward of :meth:`forward_masked`, ``(dq, dk, dv)`` shaped like q, k, v."""
+        return _cpu_backward(dout, q, k, v, out, lse, False, softmax_scale, mask)
 
     @staticmethod
     def _use_cuda_flash(q: Tensor) -> bool:
@@ -77,10 +103,7 @@ class TorchBackend:
     ) -> tuple[Tensor, Tensor]:
         """``(out (B, Sq, Hq, D), lse (B, Hq, Sq))`` of ``q`` against ``k``/``v``."""
         if q.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale
-            )
-            return out.transpose(1, 2), lse.to(accumulator_dtype(q.dtype))
+            return _cpu_forward(q, k, v, causal, softmax_scale)
         groups = q.shape[2] // k.shape[2]
         qt = q.transpose(1, 2)
         kt = expand_kv_heads(k, groups).transpose(1, 2)
@@ -111,18 +134,7 @@ class TorchBackend:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D))`` w.r.t. the merged ``out``/``lse``."""
         if q.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.transpose(1, 2),
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                out.transpose(1, 2),
-                lse.to(accumulator_dtype(q.dtype)).contiguous(),
-                0.0,
-                causal,
-                scale=softmax_scale,
-            )
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+            return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         groups = q.shape[2] // k.shape[2]
         qt, dot, ot = q.transpose(1, 2), dout.transpose(1, 2), out.transpose(1, 2)
         kt = expand_kv_heads(k, groups).transpose(1, 2)
@@ -168,3 +180,36 @@ class TorchBackend:
             reduce_kv_head_grads(dk.transpose(1, 2), groups),
             reduce_kv_head_grads(dv.transpose(1, 2), groups),
         )
+
+
+def _cpu_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """torch's fused CPU attention (GQA native) in the (B, S, H, D) layout: ``(out, lse (B, Hq, Sq))``."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2), lse.to(accumulator_dtype(q.dtype))
+
+
+def _cpu_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`_cpu_forward` w.r.t. the merged ``out``/``lse``: ``(dq, dk, dv)``."""
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)),
+        lse.to(accumulator_dtype(q.dtype)).contiguous(),
+        0.0,
+        causal,
+        attn_mask=mask,
+        scale=scale,
+    )
+    return tuple(g.transpose(1, 2) for g in grads)
