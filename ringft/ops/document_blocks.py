@@ -3,8 +3,8 @@
 Step 0 is a varlen causal attention over the local document ranges: a backend's own
 ``forward_varlen`` / ``backward_varlen`` when it has one (flash-attn, the reference's mask),
 otherwise fused calls per document, or, where the backend asks for it (``causal_tile``, torch on
-CPU), aligned tiles in one batched masked call plus rectangles. Later steps are one unmasked rectangle per row
-(or none).
+CPU), aligned tiles in one batched masked call plus rectangles. Later steps are one unmasked
+rectangle per row (or none).
 Batch rows with the same plan share each call.
 """
 
@@ -26,8 +26,8 @@ __all__ = [
     "Piece",
     "backward_block_documents",
     "causal_pieces",
-    "tile_mask",
     "forward_block_documents",
+    "tile_mask",
     "varlen_backward",
     "varlen_forward",
 ]
@@ -39,9 +39,10 @@ def _row_groups(plan: DocumentPlan) -> list[tuple[slice, RowPlan]]:
     return [(slice(b, b + 1), row) for b, row in enumerate(plan.rows)]
 
 
+@lru_cache(maxsize=64)
 def causal_pieces(
     bounds: tuple[int, ...], tile: int | None
-) -> tuple[int, list[tuple[int, int, int, int, bool]]]:
+) -> tuple[int, tuple[tuple[int, int, int, int, bool], ...]]:
     """How to cover the causal triangle of every segment ``[bounds[i], bounds[i+1])`` of
     ``[0, bounds[-1])``: ``(aligned, pieces)``.
 
