@@ -1,6 +1,6 @@
 """Packed-document (per-document causal) zigzag attention vs unmasked causal, emulated on one CPU.
 
-The N-rank ring schedule runs in one process (``ringft.emulate.run_schedule``, no communication),
+The N-rank ring schedule runs in one process (``ringft.ops.emulate.run_schedule``, no communication),
 forward + backward, with and without a document plan, on one global sequence of ``--seq`` tokens
 cut into 1, 16 and 256 documents (seeded uniform cut points; any lengths). For each layout:
 
@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import describe_machine  # noqa: E402
-from ringft.emulate import run_schedule  # noqa: E402
 from ringft.ops import DTYPES, default_softmax_scale, get_backend  # noqa: E402
 from ringft.ops.documents import balanced_order, document_plan  # noqa: E402
-from ringft.sharding import zigzag_shard  # noqa: E402
+from ringft.ops.emulate import run_schedule  # noqa: E402
+from ringft.ops.sharding import zigzag_shard  # noqa: E402
 
 
 def _int_list(text: str) -> list[int]:

@@ -2,7 +2,7 @@
 
 For a small LLaMA (fp32, or bf16 with ``--dtype bf16``) one training step (forward + backward, no
 optimizer) is run per (option set, sequence length, CP size) in gloo processes
-(``ringft.testing.run_distributed``; one process for CP = 1, two for CP = 2, 1 thread each).
+(``ringft.ops.spawn.run_distributed``; one process for CP = 1, two for CP = 2, 1 thread each).
 Option sets are cumulative:
 
 - ``baseline``: full logits (transformers' loss), no checkpointing;
@@ -10,7 +10,7 @@ Option sets are cumulative:
 - ``+ckpt``: per-layer gradient checkpointing (non-reentrant);
 - ``+offload``: ``save_on_cpu`` around the decoder (on CPU the "offloaded" copies stay in the same
   memory: only meaningful on GPU; reported for completeness);
-- ``+tiled``: ``ringft.tiled_mlp`` (MLP over token tiles, each checkpointed).
+- ``+tiled``: ``ringft.model.tiled_mlp`` (MLP over token tiles, each checkpointed).
 
 Memory: the rise of the process's resident set during the step. Before each step the kernel's
 high-water mark is reset to the current RSS (``echo 5 > /proc/self/clear_refs``) and that RSS is
@@ -102,7 +102,7 @@ def _build_model(dtype: str = "fp32") -> torch.nn.Module:
 
 
 def _set_options(model: torch.nn.Module, opts: dict[str, bool]) -> None:
-    from ringft.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
+    from ringft.model.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
 
     if opts["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -205,7 +205,7 @@ def max_local_seq(cp: int, opts: dict[str, bool], cap: int, dtype: str = "fp32",
 
 
 def _run(cp: int, jobs: list[tuple[str, int]], dtype: str, timeout: float) -> list[list[dict[str, Any]]]:
-    from ringft.testing import run_distributed
+    from ringft.ops.spawn import run_distributed
 
     return run_distributed(measure_worker, cp, jobs, dtype, timeout=timeout)
 

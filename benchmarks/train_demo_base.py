@@ -5,7 +5,7 @@ thread each (recipes/demo/base_induction.yaml: induction warm-up on repeated ran
 recipes/demo/base.yaml: line retrieval at 128 tokens), evaluates line retrieval at the trained
 length (128) and at 4x (512) on 2 processes, and copies the exported model (weights, config,
 tokenizer, ``ringft_recipe.json``) into the assets folder. It prints the new weights' SHA-256;
-tests/test_demo.py records the shipped one::
+tests/recipes/test_demo.py records the shipped one::
 
     python benchmarks/train_demo_base.py            # train, evaluate, install into ringft/assets
     python benchmarks/train_demo_base.py --dry-run  # print the commands only

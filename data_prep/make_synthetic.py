@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
-    from ringft.data.synthetic import make_synthetic_dataset
-    from ringft.demo_tokenizer import load_tokenizer
+    from ringft.data.line_retrieval.tokenizer import load_tokenizer
+    from ringft.data.line_retrieval.training import make_synthetic_dataset
 
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)

@@ -12,15 +12,15 @@ import importlib
 from typing import Any
 
 from ringft.data.collator import RingDataCollator, pad_and_shard
-from ringft.hf import apply_ring_attention, remove_ring_attention, ring_attention, ring_spec
+from ringft.model.patch import apply_ring_attention, remove_ring_attention, ring_attention, ring_spec
 from ringft.ops import zigzag_ring_attention
-from ringft.sharding import zigzag_gather, zigzag_position_ids, zigzag_shard, zigzag_unshard
+from ringft.ops.sharding import zigzag_gather, zigzag_position_ids, zigzag_shard, zigzag_unshard
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it (imported on first attribute access)
 _LAZY = {
-    "RingInference": "ringft.inference",
+    "RingInference": "ringft.model.inference",
     "CausalLMLoss": "ringft.loss",
     "chunked_lm_loss": "ringft.loss",
     "loss_normalization": "ringft.loss",

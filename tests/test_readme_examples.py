@@ -49,7 +49,7 @@ print(f"rank {rank}: the README example matches one process", flush=True)
 def tiny_model_dir(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ringft.demo_tokenizer import load_tokenizer
+    from ringft.data.line_retrieval.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("demo")
     torch.manual_seed(0)

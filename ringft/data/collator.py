@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ringft.ops.documents import balanced_order
-from ringft.sharding import zigzag_shard
+from ringft.ops.sharding import zigzag_shard
 
 
 class RingDataCollator:

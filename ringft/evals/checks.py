@@ -99,7 +99,7 @@ def position_warning(config: Any, longest_prompt: int, max_new_tokens: int) -> s
 
 
 def too_short_error(exc: Any) -> EvalInputError:
-    """The ``--lengths`` message for a :class:`ringft.lines.RecordTooShortError`."""
+    """The ``--lengths`` message for a :class:`ringft.data.line_retrieval.RecordTooShortError`."""
     return EvalInputError(
         f"--lengths {exc.target_tokens}: {exc}; use lengths of at least {exc.shortest} tokens"
     )

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from ringft.data.line_retrieval import PROMPT_STYLES, SCORING_RULES, LineCase, save_cases_jsonl, score_answer
 from ringft.evals.checks import EvalInputError, check_positive
 from ringft.evals.prepare import DEFAULT_CASES, DEFAULT_DEPTHS, DEFAULT_LENGTHS, EvalPlan, prepare
 from ringft.evals.store import ResultsWriteError, case_key, write_error
 from ringft.evals.summary import summarize
-from ringft.lines import PROMPT_STYLES, SCORING_RULES, LineCase, save_cases_jsonl, score_answer
 from ringft.ops import BACKENDS
 
 
@@ -204,9 +204,9 @@ def run_eval(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm.auto import tqdm
 
     from ringft.evals.model import load_eval_model
-    from ringft.inference import RingInference
+    from ringft.model.inference import RingInference
     from ringft.ops import dtype_from_name
-    from ringft.parallel import build_layout
+    from ringft.ops.parallel import build_layout
 
     state = PartialState(cpu=not torch.cuda.is_available())
     cp = args.cp or state.num_processes

@@ -10,6 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ringft.data.line_retrieval import (
+    CasesFileError,
+    LineCase,
+    RecordTooShortError,
+    load_cases_jsonl,
+    make_line_cases,
+)
 from ringft.evals.checks import (
     EvalInputError,
     check_positive,
@@ -21,7 +28,6 @@ from ringft.evals.checks import (
 )
 from ringft.evals.model import check_model_path, load_config, weights_identity
 from ringft.evals.store import ResultsError, ResultsStore, tokenizer_identity
-from ringft.lines import CasesFileError, LineCase, RecordTooShortError, load_cases_jsonl, make_line_cases
 
 DEFAULT_LENGTHS = "4096,8192"
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -43,7 +49,7 @@ class EvalPlan:
 
 
 def _load_tokenizer(name: str) -> Any:
-    from ringft.demo_tokenizer import load_tokenizer
+    from ringft.data.line_retrieval.tokenizer import load_tokenizer
 
     if name not in ("demo", "demo-lines"):
         check_model_path(name)  # the same "no such folder" rule as --model

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ringft.lines import LineCase
+from ringft.data.line_retrieval import LineCase
 
 SETTINGS_FILE = "settings.json"
 RESULTS_GLOB = "results-dp*.jsonl"

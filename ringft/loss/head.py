@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from ringft.loss.chunked import check_chunking, chunked_lm_loss, given_denominator
-from ringft.modeling import output_head, pretrained_model
+from ringft.model.unwrap import output_head, pretrained_model
 from ringft.ops.dtypes import accumulator_dtype
 
 __all__ = ["checkpointed_head_loss", "lm_loss_from_hidden", "output_projection"]

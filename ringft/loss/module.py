@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ringft.loss.head import lm_loss_from_hidden
-from ringft.modeling import decoder, pretrained_model
+from ringft.model.unwrap import decoder, pretrained_model
 
 __all__ = ["CausalLMLoss"]
 

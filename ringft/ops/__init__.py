@@ -3,7 +3,9 @@
 Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp merge), ``kernels``
 (block backend interface and choice; backends in ``reference``, ``torch_backend``,
 ``flash_backend``), ``comm`` (ring exchange), ``zigzag_blocks`` + ``zigzag`` (the operator),
-``validate`` (errors on every rank), ``decode`` (sharded KV cache for inference).
+``validate`` (errors on every rank), ``decode`` (sharded KV cache for inference), ``sharding``
+(the zigzag layout: shard / unshard / global positions), ``emulate`` (the ring's schedule in one
+process), ``parallel`` (the DP x CP process layout), ``spawn`` (N gloo processes with a timeout).
 """
 
 from ringft.ops.decode import ShardedKVCache, sharded_cache_attention

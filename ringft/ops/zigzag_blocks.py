@@ -10,7 +10,7 @@ step ``s`` it holds the K/V of rank ``j = (r - s) mod N``:
               -> second half of the queries x all of the K/V block, unmasked.
 
 Fully masked work is never computed. Shared by the distributed operator (:mod:`ringft.ops.zigzag`)
-and the one-process emulator (:mod:`ringft.emulate`).
+and the one-process emulator (:mod:`ringft.ops.emulate`).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def _first_line(exc: BaseException) -> str:
 
 def build_tokenizer(recipe: Recipe) -> Any:
     """The recipe's tokenizer (``model.tokenizer``, default ``model.name_or_path``; "demo" = shipped)."""
-    from ringft.demo_tokenizer import load_tokenizer
+    from ringft.data.line_retrieval.tokenizer import load_tokenizer
 
     name = recipe.model.tokenizer or recipe.model.name_or_path
     if name is None:
@@ -178,14 +178,14 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.Module:
     """Checkpointing, the ring, the tiled MLP and LoRA, in that order; returns the model to train."""
-    from ringft.hf import apply_ring_attention
+    from ringft.model.patch import apply_ring_attention
 
     t = recipe.train
     if t.gradient_checkpointing:
         enable_activation_checkpointing(model)
     apply_ring_attention(model, cp_group, recipe.model.attn_backend)
     if t.tiled_mlp_tokens:
-        from ringft.tiled_mlp import enable_tiled_mlp
+        from ringft.model.tiled_mlp import enable_tiled_mlp
 
         enable_tiled_mlp(model, tile_tokens=t.tiled_mlp_tokens)
     if recipe.lora is not None:

@@ -247,7 +247,7 @@ def export_final(
     back). A LoRA export also saves the base config with this run's RoPE / context overrides, so
     the adapter is evaluated with the theta it was trained at.
     """
-    from ringft.hf import apply_ring_attention, remove_ring_attention
+    from ringft.model.patch import apply_ring_attention, remove_ring_attention
 
     final = Path(output_dir) / "final"
     state = None

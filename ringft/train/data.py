@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringft.parallel import ParallelLayout
+from ringft.ops.parallel import ParallelLayout
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
 
@@ -220,7 +220,7 @@ def load_training_data(recipe: Recipe, tokenizer: Any, vocab_size: int) -> Train
         if "input_ids" not in ds.column_names:
             raise RecipeError(f"dataset {d.path!r} has no input_ids column (columns: {ds.column_names})")
         return check_rows(ds, recipe, vocab_size, repr(d.path))
-    from ringft.data.synthetic import make_repeat_dataset, make_synthetic_dataset
+    from ringft.data.line_retrieval.training import make_repeat_dataset, make_synthetic_dataset
 
     syn = d.synthetic
     if syn.task == "repeat":

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ringft.data.collator import RingDataCollator
 from ringft.loss import CausalLMLoss, loss_normalization
-from ringft.parallel import build_layout
+from ringft.ops.parallel import build_layout
 from ringft.train import checkpoint as ckpt
 from ringft.train.build import (
     build_model,

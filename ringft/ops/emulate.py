@@ -1,0 +1,142 @@
+"""Run the zigzag ring schedule of N ranks inside one process (no communication).
+
+Same block kernels, same per-step work and merges as the distributed operator, so it serves to
+check a backend inside the real schedule on one device (e.g. one GPU) and to measure the cost of
+decomposing one attention call into the ring's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ringft.ops.documents import DocumentPlan, document_plan
+from ringft.ops.dtypes import accumulator_dtype
+from ringft.ops.kernels import BlockAttention, default_softmax_scale, get_backend
+from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+from ringft.ops.zigzag_blocks import backward_block, forward_block
+
+Tensor = torch.Tensor
+
+
+def run_schedule(
+    kernel: BlockAttention,
+    qs: list[Tensor],
+    ks: list[Tensor],
+    vs: list[Tensor],
+    douts: list[Tensor] | None,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    ranks: list[int] | None = None,
+    timer: Callable[[int, Callable[[], None]], None] | None = None,
+    plans: list[DocumentPlan] | None = None,
+):
+    """The ring schedule of every rank on per-rank shards ``(batch, seq_local, heads, dim)``.
+
+    Returns per-rank ``outs``, ``lses`` and (when ``douts``) ``dqs`` and ``dkvs`` (dK/dV of each
+    rank's own block, summed over all ranks). ``timer(rank, fn)`` may wrap each rank's forward and
+    backward work (used by the benchmarks to time ranks one by one). ``plans[r]``: rank ``r``'s
+    packed-document plan (:func:`ringft.ops.documents.document_plan`), if any.
+    """
+    n = len(qs)
+    ranks = list(range(n)) if ranks is None else ranks
+    timer = timer or (lambda rank, fn: fn())
+    outs: dict[int, Tensor] = {}
+    lses: dict[int, Tensor] = {}
+
+    def forward(rank: int) -> None:
+        out = lse = None
+        for step in range(n):
+            src = (rank - step) % n
+            out, lse = forward_block(
+                kernel,
+                qs[rank],
+                ks[src],
+                vs[src],
+                out,
+                lse,
+                step=step,
+                source=src,
+                rank=rank,
+                causal=causal,
+                softmax_scale=softmax_scale,
+                documents=None if plans is None else plans[rank],
+            )
+        outs[rank], lses[rank] = out.to(qs[rank].dtype), lse
+
+    for rank in ranks:
+        timer(rank, lambda rank=rank: forward(rank))
+    if douts is None:
+        return outs, lses, None, None
+    acc = accumulator_dtype(qs[0].dtype)
+    dqs = {r: torch.zeros(qs[r].shape, dtype=acc, device=qs[r].device) for r in ranks}
+    dkvs = [torch.zeros((2, *t.shape), dtype=acc, device=t.device) for t in ks]
+
+    def backward(rank: int) -> None:
+        for step in range(n):
+            src = (rank - step) % n
+            pieces = backward_block(
+                kernel,
+                douts[rank],
+                qs[rank],
+                ks[src],
+                vs[src],
+                outs[rank],
+                lses[rank],
+                dqs[rank],
+                step=step,
+                source=src,
+                rank=rank,
+                causal=causal,
+                softmax_scale=softmax_scale,
+                documents=None if plans is None else plans[rank],
+            )
+            for rows, part, dk_b, dv_b in pieces:
+                dkvs[src][0][rows, part].add_(dk_b)
+                dkvs[src][1][rows, part].add_(dv_b)
+
+    for rank in ranks:
+        timer(rank, lambda rank=rank: backward(rank))
+    return outs, lses, dqs, dkvs
+
+
+def emulate_zigzag_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cp_size: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    dout: Tensor | None = None,
+    cu_seqlens: list[list[int]] | None = None,
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    """Emulate ``cp_size`` ranks on the *global* ``q``/``k``/``v`` ``(batch, seq, heads, dim)``.
+
+    Returns ``(out, lse, grads)`` in global order; ``grads = (dq, dk, dv)`` when ``dout`` is given.
+    ``cu_seqlens``: packed documents, as for :func:`ringft.ops.zigzag_ring_attention`.
+    """
+    kernel = get_backend(backend, q.device, q.dtype)
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    n = cp_size
+    qs, ks, vs = ([zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v))
+    douts = None if dout is None else [zigzag_shard(dout, r, n) for r in range(n)]
+    plans = None
+    if cu_seqlens is not None:
+        plans = [document_plan(cu_seqlens, q.shape[1], r, n, batch=q.shape[0]) for r in range(n)]
+    outs, lses, dqs, dkvs = run_schedule(
+        kernel, qs, ks, vs, douts, causal=causal, softmax_scale=scale, plans=plans
+    )
+    out = zigzag_unshard([outs[r] for r in range(n)])
+    lse = zigzag_unshard([lses[r] for r in range(n)], dim=2)
+    grads = None
+    if dout is not None:
+        grads = (
+            zigzag_unshard([dqs[r] for r in range(n)]).to(q.dtype),
+            zigzag_unshard([g[0] for g in dkvs]).to(k.dtype),
+            zigzag_unshard([g[1] for g in dkvs]).to(v.dtype),
+        )
+    return out, lse, grads

@@ -1,0 +1,82 @@
+"""Bad inputs raise a clear ValueError on every rank, before any ring traffic, without hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringft import zigzag_ring_attention
+from ringft.ops.spawn import run_distributed
+
+
+def _qkv(seq=8, hq=4, hkv=2, dim=16, dtype=torch.float32):
+    return (
+        torch.randn(1, seq, hq, dim, dtype=dtype),
+        torch.randn(1, seq, hkv, dim, dtype=dtype),
+        torch.randn(1, seq, hkv, dim, dtype=dtype),
+    )
+
+
+# (name, builder(rank) -> (q, k, v, backend), expected message fragment)
+CASES = {
+    "odd_seq": (lambda r: (*_qkv(seq=7), "torch"), "must be even"),
+    "seq_differs": (lambda r: (*_qkv(seq=8 if r == 0 else 12), "torch"), "same batch, seq_local"),
+    "heads": (lambda r: (*_qkv(hq=3 if r == 0 else 4), "torch"), "multiple of key/value heads"),
+    "dtype": (
+        lambda r: (torch.randn(1, 8, 4, 16), *_qkv(dtype=torch.bfloat16)[1:], "torch"),
+        "share one dtype",
+    ),
+    "shape": (
+        lambda r: (torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 8), "torch"),
+        "same shape",
+    ),
+    "backend": (lambda r: (*_qkv(), "triton"), "unknown backend"),
+    "flash_on_cpu": (lambda r: (*_qkv(), "flash_attn"), "flash_attn"),
+}
+
+
+def errors_worker(rank: int, world: int) -> dict[str, str]:
+    seen = {}
+    for name, (build, _) in CASES.items():
+        q, k, v, backend = build(rank)
+        try:
+            zigzag_ring_attention(q, k, v, backend=backend)
+            seen[name] = "no error"
+        except ValueError as exc:
+            seen[name] = str(exc)
+    # Packed documents: offsets that differ between ranks, malformed offsets, non-causal.
+    seq = 8 * world
+    for name, kwargs in {
+        "docs_differ": {"cu_seqlens": [[0, 3 + rank, seq]]},
+        "docs_malformed": {"cu_seqlens": [[0, 5, 5, seq]]},
+        "docs_noncausal": {"cu_seqlens": [[0, 3, seq]], "causal": False},
+    }.items():
+        try:
+            zigzag_ring_attention(*_qkv(), backend="torch", **kwargs)
+            seen[name] = "no error"
+        except ValueError as exc:
+            seen[name] = str(exc)
+    # The group is still usable afterwards: a good call runs.
+    zigzag_ring_attention(*_qkv())
+    zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]])
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 3])
+def test_errors_raised_on_every_rank(world):
+    results = run_distributed(errors_worker, world, timeout=90)
+    for rank, seen in enumerate(results):
+        for name, (_, fragment) in CASES.items():
+            if world == 1 and name == "seq_differs":
+                continue  # one rank cannot disagree with itself
+            msg = seen[name]
+            assert msg != "no error", f"{name}: rank {rank} raised nothing"
+            if name in ("heads",) and rank != 0:
+                assert "rank(s) [0]" in msg, msg
+            else:
+                assert fragment in msg, f"{name} on rank {rank}: {msg}"
+        if world > 1:
+            assert "cu_seqlens checksum" in seen["docs_differ"], seen["docs_differ"]
+        assert "must rise strictly from 0" in seen["docs_malformed"]
+        assert "needs causal=True" in seen["docs_noncausal"]

@@ -1,0 +1,384 @@
+"""The shipped recipes, accelerate launch configs and shell wrappers under recipes/.
+
+Fast and local: no GPU, no model download, no packed data (a recipe's data.path is pointed at an
+empty temporary folder, the only thing recipe validation looks at on disk).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # allow running without the package installed
+    sys.path.insert(0, str(REPO_ROOT))
+
+from ringft.train.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict, validate  # noqa: E402
+
+RECIPES = REPO_ROOT / "recipes"
+ACCEL = RECIPES / "accelerate"
+
+RECIPE_FILES = sorted(p for p in RECIPES.rglob("*.yaml") if ACCEL not in p.parents)
+ACCEL_FILES = sorted(ACCEL.glob("*.yaml"))
+WRAPPERS = [
+    "llama3_8b_512k/run.sh",
+    "llama3_8b_512k/run_lora.sh",
+    "mistral_7b_512k/run.sh",
+]
+SHELL_FILES = sorted(p for p in RECIPES.rglob("*.sh"))
+
+FULL_FT = ["deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml", "fsdp.yaml"]
+# recipe (glob relative to recipes/) -> the launch configs it is meant to run under. Every recipe
+# must match exactly one entry, so a new recipe has to say how it is launched.
+LAUNCH = [
+    ("demo_cpu.yaml", ["cpu_2proc.yaml"]),
+    ("demo/base_induction.yaml", []),  # one process, no launcher (stage 0a of the demo base model)
+    ("demo/base.yaml", []),  # one process, no launcher: `python -m ringft train recipes/demo/base.yaml`
+    ("demo/extend.yaml", ["cpu_2proc.yaml"]),
+    ("llama3_8b_512k/stage?_*k.yaml", FULL_FT),
+    ("mistral_7b_512k/stage?_*k.yaml", FULL_FT),
+    ("llama3_8b_512k/stage4_512k_lora.yaml", ["1node_8gpu.yaml", "2node_8gpu.yaml"]),
+    ("smollm2_32k/stage?_*k.yaml", ["1node_8gpu.yaml"]),  # run.sh: --num_processes NUM_GPUS (default 1)
+]
+# Recipes written for these wrappers (stricter checks than the demo's).
+STAGE_NAMES = ("stage1_64k", "stage2_128k", "stage3_256k", "stage4_512k")
+STAGED = {d: [f"{d}/{n}.yaml" for n in STAGE_NAMES] for d in ("llama3_8b_512k", "mistral_7b_512k")}
+LORA = "llama3_8b_512k/stage4_512k_lora.yaml"
+ONE_MILLION = 1 << 20  # the reference recipe's ~1M tokens per optimizer step
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(RECIPES).as_posix()
+
+
+def raw_recipe(name: str) -> dict:
+    return yaml.safe_load((RECIPES / name).read_text())
+
+
+def launch_configs(name: str) -> list[str]:
+    hits = [configs for pattern, configs in LAUNCH if fnmatch.fnmatch(name, pattern)]
+    assert len(hits) == 1, (
+        f"{name} matches {len(hits)} LAUNCH entries (add it to tests/recipes/test_recipes.py)"
+    )
+    return hits[0]
+
+
+def build(name: str, data_dir: Path, extra: list[str] | None = None):
+    """The validated Recipe, with data.path (if any) pointed at an existing empty folder."""
+    raw = raw_recipe(name)
+    overrides = list(extra or [])
+    if (raw.get("data") or {}).get("path") is not None:
+        overrides += ["--data.path", str(data_dir)]
+    return recipe_from_dict(apply_overrides(raw, overrides))
+
+
+def num_processes(config: str) -> int:
+    return int(yaml.safe_load((ACCEL / config).read_text())["num_processes"])
+
+
+def tokens_per_step(recipe, world: int) -> int:
+    dp = world // recipe.parallel.cp_size
+    return dp * recipe.train.micro_batch_size * recipe.train.grad_accum * recipe.data.seq_len
+
+
+# -- recipes ---------------------------------------------------------------------------------------
+
+
+def test_recipes_found():
+    names = {rel(p) for p in RECIPE_FILES}
+    for stages in STAGED.values():
+        assert set(stages) <= names
+    assert LORA in names and "demo_cpu.yaml" in names
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=rel)
+def test_recipe_validates_and_fits_its_launch_configs(path, tmp_path):
+    name = rel(path)
+    recipe = build(name, tmp_path)
+    cp = recipe.parallel.cp_size
+    assert recipe.data.seq_len % (2 * cp) == 0, "zigzag sharding needs seq_len % (2 * cp_size) == 0"
+    for config in launch_configs(name):
+        world = num_processes(config)
+        assert world % cp == 0, f"cp_size {cp} does not divide {config}'s {world} processes"
+        validate(recipe, world_size=world)
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=rel)
+def test_recipe_fails_only_for_missing_data(path):
+    """Loaded as-is, a recipe is either valid or only lacks its packed dataset."""
+    raw = yaml.safe_load(path.read_text())
+    data_path = (raw.get("data") or {}).get("path")
+    if data_path is None or Path(data_path).exists() or (REPO_ROOT / data_path).exists():
+        load_recipe(path)
+        return
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("model_dir", sorted(STAGED))
+def test_stages_chain_and_grow(model_dir, tmp_path):
+    stages = [build(n, tmp_path) for n in STAGED[model_dir]]
+    assert not stages[0].model.name_or_path.startswith("outputs/"), "stage 1 starts from the hub model"
+    for prev, nxt in zip(stages, stages[1:]):
+        assert nxt.model.name_or_path == f"{prev.checkpoint.output_dir}/final"
+        assert nxt.data.seq_len == 2 * prev.data.seq_len
+        assert nxt.model.rope_theta > prev.model.rope_theta, "RoPE theta grows with the context"
+    assert len({s.checkpoint.output_dir for s in stages}) == len(stages)
+    data_paths = [raw_recipe(n)["data"]["path"] for n in STAGED[model_dir]]
+    assert len(set(data_paths)) == len(stages)
+    for s in stages:
+        assert s.checkpoint.output_dir.startswith(f"outputs/{model_dir}/")
+        assert s.model.max_position_embeddings == s.data.seq_len
+        assert s.model.rope_scaling is None
+    assert [s.data.seq_len for s in stages] == [65536, 131072, 262144, 524288]
+    assert stages[-1].parallel.cp_size == 8
+
+
+@pytest.mark.parametrize("name", [n for stages in STAGED.values() for n in stages] + [LORA])
+def test_long_context_settings(name, tmp_path):
+    r = build(name, tmp_path)
+    t = r.train
+    assert r.model.dtype == "bf16"
+    assert t.gradient_checkpointing and t.chunked_loss and t.loss_chunk_size > 0
+    assert t.schedule == "constant" and 0 < t.warmup_steps <= 0.1 * t.max_steps
+    assert t.betas == (0.9, 0.95)
+    if r.lora is None:  # the reference recipe's optimizer settings
+        assert t.lr == pytest.approx(2e-5) and t.weight_decay == pytest.approx(0.1)
+    # 64K tokens per rank and ~1M tokens per optimizer step on one node of 8 GPUs
+    assert r.data.seq_len // r.parallel.cp_size == 65536
+    assert tokens_per_step(r, 8) == ONE_MILLION
+    assert f"{ONE_MILLION:,}" in (RECIPES / name).read_text(), "the header states the tokens per step"
+
+
+def test_lora_recipe(tmp_path):
+    r = build(LORA, tmp_path)
+    stage3 = build(STAGED["llama3_8b_512k"][2], tmp_path)
+    stage4 = build(STAGED["llama3_8b_512k"][3], tmp_path)
+    assert r.lora is not None and r.lora.r > 0
+    assert "lm_head" not in r.lora.target_modules, "the chunked loss cannot see an adapter on lm_head"
+    assert r.model.name_or_path == f"{stage3.checkpoint.output_dir}/final"
+    assert (r.data.path, r.data.seq_len, r.model.rope_theta) == (
+        stage4.data.path,
+        stage4.data.seq_len,
+        stage4.model.rope_theta,
+    )
+    assert r.checkpoint.output_dir not in (stage3.checkpoint.output_dir, stage4.checkpoint.output_dir)
+    # on two nodes (dp 2 x cp 8) the header's --train.grad_accum 1 keeps ~1M tokens per step
+    assert tokens_per_step(build(LORA, tmp_path, ["--train.grad_accum", "1"]), 16) == ONE_MILLION
+
+
+@pytest.mark.parametrize("name", STAGED["mistral_7b_512k"])
+def test_mistral_disables_sliding_window(name):
+    raw = raw_recipe(name)
+    assert "sliding_window" in raw["model"] and raw["model"]["sliding_window"] is None
+
+
+@pytest.mark.parametrize("name", [n for stages in STAGED.values() for n in stages] + [LORA])
+def test_every_key_is_commented(name):
+    """Each `key: value` line carries a comment saying why (section headers need none)."""
+    bare = [
+        line
+        for line in (RECIPES / name).read_text().splitlines()
+        if line.strip()
+        and not line.lstrip().startswith("#")
+        and not line.rstrip().endswith(":")
+        and "#" not in line
+    ]
+    assert not bare, f"uncommented keys in {name}: {bare}"
+
+
+def test_recipes_are_self_contained():
+    """Nothing under recipes/ points outside the repository (a design file, this machine's paths)."""
+    for path in sorted(RECIPES.rglob("*")):
+        if path.is_file():
+            text = path.read_text()
+            for needle in ("/" + "work/", "../" + "shared", "DESIGN.md"):  # (built so this file names none)
+                assert needle not in text, f"{rel(path)} refers to {needle!r}, which is not in the repository"
+
+
+# -- accelerate launch configs --------------------------------------------------------------------
+
+BASE_KEYS = {
+    "compute_environment",
+    "distributed_type",
+    "num_machines",
+    "num_processes",
+    "machine_rank",
+    "mixed_precision",
+    "main_process_port",
+    "rdzv_backend",
+}
+EXPECTED = {
+    "cpu_2proc.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 2, "use_cpu": True},
+    "1node_8gpu.yaml": {
+        "distributed_type": "MULTI_GPU",
+        "num_processes": 8,
+        "num_machines": 1,
+        "mixed_precision": "bf16",
+    },
+    "2node_8gpu.yaml": {
+        "distributed_type": "MULTI_GPU",
+        "num_processes": 16,
+        "num_machines": 2,
+        "mixed_precision": "bf16",
+    },
+    "deepspeed_zero3.yaml": {"distributed_type": "DEEPSPEED", "num_processes": 8, "mixed_precision": "bf16"},
+    "deepspeed_zero3_offload.yaml": {
+        "distributed_type": "DEEPSPEED",
+        "num_processes": 8,
+        "mixed_precision": "bf16",
+    },
+    "fsdp.yaml": {"distributed_type": "FSDP", "num_processes": 8, "mixed_precision": "bf16"},
+}
+
+
+def launch_arg_names() -> set[str]:
+    from accelerate.commands.launch import launch_command_parser
+
+    return {a.dest for a in launch_command_parser()._actions}
+
+
+def test_every_launch_config_is_known():
+    assert {p.name for p in ACCEL_FILES} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("path", ACCEL_FILES, ids=lambda p: p.name)
+def test_launch_config(path):
+    text = path.read_text()
+    assert text.startswith("#"), "every launch config starts with a comment saying when to use it"
+    cfg = yaml.safe_load(text)
+    assert BASE_KEYS <= set(cfg), f"missing {BASE_KEYS - set(cfg)}"
+    for key, value in EXPECTED[path.name].items():
+        assert cfg[key] == value, f"{path.name}: {key} = {cfg[key]!r}, expected {value!r}"
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    ClusterConfig.from_yaml_file(str(path))  # accelerate's own loader: unknown keys are errors
+    # `accelerate launch` copies deepspeed_config / fsdp_config entries onto its arguments; a key
+    # that is not one of them is silently ignored, so check the names.
+    names = launch_arg_names()
+    for key in cfg.get("deepspeed_config") or {}:
+        assert key in names, f"{path.name}: deepspeed_config.{key} is not an accelerate launch option"
+    for key in cfg.get("fsdp_config") or {}:
+        assert (key if key.startswith("fsdp_") else "fsdp_" + key) in names, f"{path.name}: fsdp_config.{key}"
+
+
+@pytest.mark.parametrize(
+    "name,offload", [("deepspeed_zero3.yaml", "none"), ("deepspeed_zero3_offload.yaml", "cpu")]
+)
+def test_deepspeed_configs(name, offload):
+    ds = yaml.safe_load((ACCEL / name).read_text())["deepspeed_config"]
+    assert ds["zero_stage"] == 3 and ds["zero3_init_flag"] is True
+    assert ds["offload_optimizer_device"] == offload and ds["offload_param_device"] == offload
+    assert "deepspeed_config_file" not in ds  # would clash with the plugin fields above
+    assert ds["gradient_clipping"] == 1.0 and ds["gradient_accumulation_steps"] == 1
+
+
+def test_fsdp_config():
+    fsdp = yaml.safe_load((ACCEL / "fsdp.yaml").read_text())["fsdp_config"]
+    assert fsdp["fsdp_version"] == 1 and fsdp["fsdp_use_orig_params"] is True
+    assert fsdp["fsdp_reshard_after_forward"] == "FULL_SHARD"
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    assert fsdp["fsdp_activation_checkpointing"] is False  # the recipe's gradient_checkpointing does it
+
+
+def test_two_node_config_has_placeholders():
+    text = (ACCEL / "2node_8gpu.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    assert cfg["main_process_ip"] == "MAIN_NODE_IP" and cfg["machine_rank"] == 0
+    assert "--machine_rank 1" in text and "--machine_rank 0" in text
+
+
+# -- shell wrappers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_wrapper_is_an_executable_strict_script(name):
+    path = RECIPES / name
+    assert path.is_file()
+    assert path.stat().st_mode & stat.S_IXUSR, f"{name} is not executable"
+    text = path.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text and 'run_stages "$@"' in text
+    for ref in [w for w in text.split() if w.startswith("recipes/") and w.endswith((".yaml", ".sh"))]:
+        assert (REPO_ROOT / ref).is_file(), f"{name} refers to missing {ref}"
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=rel)
+def test_shell_syntax(path):
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def _copy_recipes(tmp_path: Path) -> Path:
+    """A scratch repo root holding recipes/ only (no outputs/ from real runs)."""
+    shutil.copytree(RECIPES, tmp_path / "recipes")
+    return tmp_path
+
+
+def _run_wrapper(root: Path, name: str, *args: str, dry: bool = True, **env: str):
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("STAGES", "DRY_RUN", "ACCELERATE_CONFIG", "LAUNCH_ARGS")
+    }
+    full_env.update(PYTHON=sys.executable, ACCELERATE="echo", **env)
+    if dry:
+        full_env["DRY_RUN"] = "1"
+    return subprocess.run(
+        ["bash", str(root / "recipes" / name), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "model_dir,config",
+    [("llama3_8b_512k", "deepspeed_zero3.yaml"), ("mistral_7b_512k", "deepspeed_zero3.yaml")],
+)
+def test_wrapper_runs_stages_in_order(model_dir, config, tmp_path):
+    root = _copy_recipes(tmp_path)
+    out = _run_wrapper(root, f"{model_dir}/run.sh", "--train.max_steps", "3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == len(STAGED[model_dir])
+    for line, stage in zip(lines, STAGED[model_dir]):
+        assert f"launch --config_file recipes/accelerate/{config} " in line
+        assert line.rstrip().endswith(f"-m ringft train recipes/{stage} --resume --train.max_steps 3")
+
+
+def test_wrapper_stage_selection_skip_and_fsdp(tmp_path):
+    root = _copy_recipes(tmp_path)
+    done = root / "outputs/mistral_7b_512k/stage2_128k/final"
+    done.mkdir(parents=True)
+    (done / "ringft_recipe.json").write_text("{}")
+    out = _run_wrapper(
+        root, "mistral_7b_512k/run.sh", STAGES="2 3", ACCELERATE_CONFIG="recipes/accelerate/fsdp.yaml"
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and "recipes/mistral_7b_512k/stage3_256k.yaml" in lines[0]
+    assert "--fsdp_transformer_layer_cls_to_wrap MistralDecoderLayer" in lines[0]
+    assert "skipping" in out.stderr
+    bad = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="7")
+    assert bad.returncode != 0 and "STAGES" in bad.stderr
+
+
+def test_lora_wrapper_needs_stage3(tmp_path):
+    root = _copy_recipes(tmp_path)
+    out = _run_wrapper(root, "llama3_8b_512k/run_lora.sh", dry=False)
+    assert out.returncode == 1 and "stage3_256k/final" in out.stderr and "launch" not in out.stdout
+    hub = ("--model.name_or_path", "meta-llama/Meta-Llama-3-8B")
+    out = _run_wrapper(root, "llama3_8b_512k/run_lora.sh", *hub)
+    assert out.returncode == 0, out.stderr
+    assert "--config_file recipes/accelerate/1node_8gpu.yaml" in out.stdout
+    assert out.stdout.rstrip().endswith("--resume --model.name_or_path meta-llama/Meta-Llama-3-8B")

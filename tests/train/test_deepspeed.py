@@ -1,0 +1,255 @@
+"""The trainer under DeepSpeed ZeRO-3 (with and without CPU offload), launched exactly as a user
+launches it: ``accelerate launch --config_file recipes/accelerate/deepspeed_zero3*.yaml -m ringft
+train``. DeepSpeed runs on its CPU accelerator over gloo here (``pip install deepspeed``; the
+dev extra installs it), so the same trainer code paths run as on GPUs: parameters partitioned at
+construction (the shipped ``zero3_init_flag: true``), the engine's own gradient accumulation and
+clipping, the partitioned ``lm_head`` read by the chunked loss through its module hooks (gathered
+once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints inside ringft's
+atomic ``step-N.tmp -> step-N`` rename, and the gathered state dict at export.
+
+Oracle: the same recipe on one plain process (no DeepSpeed, no ring, full-logits loss) with the
+same global batch, starting from the same saved model folder (``from_pretrained``: under
+``zero.Init`` a model built *from config* would get another random initialisation). The launch
+configs are the shipped ones with one key changed for the test: ``mixed_precision: "no"`` (fp32,
+so that the round-off bounds below hold).
+
+Tolerances: those of tests/train/test_trainer.py (LOSS_RTOL per step, UPDATE_RTOL on the weights' update
+relative to its norm; both from eps32 x the reduction lengths x steps): the runs only reorder fp32
+sums, while a wrong loss scale under DeepSpeed's ``1 / gradient_accumulation_steps`` changes the
+gradient norm by 2x, and weight decay left off (wd 0.5 at lr 1e-3) changes the update by ~1 %. The
+offload run uses DeepSpeedCPUAdam (vectorised fp32 Adam): the same bound. Resuming a DeepSpeed
+checkpoint replays the same operations: bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ringft.ops.spawn import free_port, run_distributed
+from tests.train.test_trainer import (
+    LOSS_RTOL,
+    RUN_TIMEOUT,
+    UPDATE_RTOL,
+    VOCAB,
+    _train_runs,
+    assert_updates_close,
+    assert_weights_equal,
+    data_path,  # noqa: F401  (module-scoped fixture)
+    final_weights,
+    tiny_recipe,
+)
+
+pytest.importorskip("deepspeed")
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_TIMEOUT = 420
+# DeepSpeed JIT-compiles its CPU ops (the shared-memory all-reduce, CPU Adam) into TORCH_EXTENSIONS_DIR
+# under torch's FileBaton: a lock file that every other process waits on *forever*. A build killed
+# mid-way (a timeout, a stopped session) leaves it behind, and every later launch then hangs at
+# start-up. So the tests build into a folder of this clone (a clean clone starts clean), clear locks
+# older than any build, and build once in one process before launching, bounded by a timeout.
+EXTENSIONS_DIR = REPO / ".cache" / "torch_extensions"
+STALE_LOCK_S = 900  # one op builds in ~30-90 s on 2 cores
+BUILD_TIMEOUT = 600
+DEEPSPEED_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+
+
+def _launch_config(tmp_path: Path, name: str, num_processes: int) -> Path:
+    cfg = yaml.safe_load((REPO / "recipes" / "accelerate" / name).read_text())
+    assert cfg["distributed_type"] == "DEEPSPEED" and cfg["deepspeed_config"]["zero_stage"] == 3
+    assert cfg["deepspeed_config"]["zero3_init_flag"] is True  # tested as shipped
+    cfg["mixed_precision"] = "no"
+    cfg["num_processes"] = num_processes
+    cfg["main_process_port"] = free_port()
+    path = tmp_path / f"launch-{name}"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _launch(tmp_path: Path, launch_config: Path, raw: dict, *extra: str) -> None:
+    recipe = tmp_path / f"recipe-{Path(raw['checkpoint']['output_dir']).name}.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(launch_config),
+        "-m",
+        "ringft",
+        "train",
+        str(recipe),
+        "--no-progress",
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "ringft: " in proc.stdout, proc.stdout[-3000:]
+
+
+def _env() -> dict[str, str]:
+    extensions = str(EXTENSIONS_DIR)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_EXTENSIONS_DIR=extensions)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deepspeed_ops_built() -> None:
+    """Clear stale build locks in EXTENSIONS_DIR, then JIT-build DeepSpeed's CPU ops in one process."""
+    for lock in EXTENSIONS_DIR.rglob("lock"):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    code = (
+        "from deepspeed.accelerator import get_accelerator\n"
+        f"for name in {DEEPSPEED_OPS!r}:\n"
+        "    get_accelerator().create_op_builder(name).load()\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"DeepSpeed CPU op build took over {BUILD_TIMEOUT} s (held lock in {EXTENSIONS_DIR}?)")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _metric(output_dir: Path, key: str = "loss") -> list[float]:
+    """One column of the run's metrics.jsonl, in step order."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """tiny_recipe's model (seeded init), saved as a pretrained folder."""
+    from ringft.train.build import build_model
+    from tests.train.test_trainer import recipe_from_dict
+
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    build_model(
+        recipe_from_dict(tiny_recipe("unused", None, data={"path": None, "synthetic": {}})), vocab_size=VOCAB
+    ).save_pretrained(str(path))
+    return str(path)
+
+
+def pretrained_recipe(output_dir: Path, data: str, model: str, **sections) -> dict:
+    """tiny_recipe reading its model from ``model`` (a saved folder) instead of building it."""
+    raw = tiny_recipe(output_dir, data, **sections)
+    for key in ("config", "model_type"):
+        raw["model"].pop(key)
+    raw["model"]["name_or_path"] = model
+    return raw
+
+
+def initial(model: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model) / "model.safetensors"))
+
+
+WEIGHT_DECAY = {"weight_decay": 0.5}  # decays by lr * 0.5 * w = ~1 % of an AdamW step at lr 1e-3
+
+
+def _reference(tmp_path: Path, data: str, model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    single = pretrained_recipe(tmp_path / "one", data, model, train={"micro_batch_size": 4, **WEIGHT_DECAY})
+    ref = run_distributed(_train_runs, 1, [{"recipe": single}], str(tmp_path), timeout=RUN_TIMEOUT)
+    return ref[0][0]["losses"], final_weights(tmp_path / "one")
+
+
+def _zero3_recipe(output_dir: Path, data: str, model: str) -> dict:
+    """dp=2 x cp=2 on 4 ranks, micro-batch 1 x grad_accum 2 (global batch 4), chunked loss reading
+    the partitioned lm_head, gradient checkpointing, weight decay, a checkpoint every 2 steps."""
+    return pretrained_recipe(
+        output_dir,
+        data,
+        model,
+        parallel={"cp_size": 2},
+        train={
+            "micro_batch_size": 1,
+            "grad_accum": 2,
+            "chunked_loss": True,
+            "gradient_checkpointing": True,
+            **WEIGHT_DECAY,
+        },
+        checkpoint={"save_every": 2, "keep": 3},
+    )
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
+def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):  # noqa: F811
+    """ZeRO-3 with the shipped zero3_init_flag (dp=2 x cp=2, grad_accum 2, weight decay 0.5) == one
+    process on the same global batch: losses, gradient norms and the exported weights' update; then
+    --resume from the step-2 DeepSpeed checkpoint ends at the same weights."""
+    ref_losses, ref_weights = _reference(tmp_path, data_path, model_dir)
+    launch = _launch_config(tmp_path, "deepspeed_zero3.yaml", 4)
+    out = tmp_path / "zero3"
+    _launch(tmp_path, launch, _zero3_recipe(out, data_path, model_dir))
+    losses = _metric(out)
+    assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL)
+    # DeepSpeed's global gradient norm (what it clips with) == the one-process norm: the gradients'
+    # relative error over the steps (UPDATE_RTOL); a wrong accumulation scale would be 2x.
+    assert _metric(out, "grad_norm") == pytest.approx(_metric(tmp_path / "one", "grad_norm"), rel=UPDATE_RTOL)
+    weights = final_weights(out)
+    assert_updates_close(weights, ref_weights, initial(model_dir), UPDATE_RTOL)
+    step2 = out / "checkpoints" / "step-00000002"
+    assert (step2 / "pytorch_model").is_dir(), sorted(p.name for p in step2.iterdir())  # ZeRO shards
+
+    # Resume: keep only the step-2 checkpoint, train steps 3 and 4 again.
+    again = tmp_path / "zero3-resumed"
+    shutil.copytree(out, again, ignore=shutil.ignore_patterns("final", "metrics.jsonl", "logs"))
+    shutil.rmtree(again / "checkpoints" / "step-00000004")
+    _launch(tmp_path, launch, _zero3_recipe(again, data_path, model_dir), "--resume")
+    assert _metric(again) == losses[2:]  # the same operations in the same order: exact
+    assert_weights_equal(final_weights(again), weights)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir):  # noqa: F811
+    """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
+    accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
+    x grad_accum 2 == one process with micro 4."""
+    ref_losses, ref_weights = _reference(tmp_path, data_path, model_dir)
+    raw = pretrained_recipe(
+        tmp_path / "offload",
+        data_path,
+        model_dir,
+        parallel={"cp_size": 2},
+        train={"micro_batch_size": 2, "grad_accum": 2, "chunked_loss": True, **WEIGHT_DECAY},
+    )
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw)
+    assert _metric(tmp_path / "offload") == pytest.approx(ref_losses, rel=LOSS_RTOL)
+    assert_updates_close(final_weights(tmp_path / "offload"), ref_weights, initial(model_dir), UPDATE_RTOL)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir):  # noqa: F811
+    """LoRA (q/v) under ZeRO-3, dp=1 x cp=2: losses and the exported adapter's update == one process."""
+    from safetensors.torch import load_file
+
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    train = {"lr": 1e-2, "chunked_loss": True}
+    single = pretrained_recipe(tmp_path / "one", data_path, model_dir, train=train, lora=lora)
+    start = tmp_path / "adapter-start.safetensors"
+    run = {"recipe": single, "initial_adapter": str(start)}
+    ref = run_distributed(_train_runs, 1, [run], str(tmp_path), timeout=RUN_TIMEOUT)
+    raw = pretrained_recipe(
+        tmp_path / "lora", data_path, model_dir, parallel={"cp_size": 2}, train=train, lora=lora
+    )
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 2), raw)
+    assert _metric(tmp_path / "lora") == pytest.approx(ref[0][0]["losses"], rel=LOSS_RTOL)
+    got = load_file(str(tmp_path / "lora" / "final" / "adapter_model.safetensors"))
+    want = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+    assert any("lora_B" in k for k in got)
+    assert_updates_close(got, want, load_file(str(start)), UPDATE_RTOL)

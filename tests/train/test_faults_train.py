@@ -1,0 +1,496 @@
+"""Faults and bad input in ``ringft train`` (issues 11 and 16), by injection.
+
+Multi-process part: one ``run_distributed`` call (2 gloo ranks, hard timeout) walks through
+- bad inputs, each launched through ``ringft.cli.main`` on both ranks: the run must end on *every*
+  rank with exit code 2 and one line naming the value and the fix, before the model is loaded (the
+  worker replaces the model builder by a tripwire) and without writing anything;
+- faults: a full disk (ENOSPC, simulated by patching the writes) while rank 1 saves a checkpoint and
+  while rank 0 appends to metrics.jsonl. The failing rank reports one line naming the path and "no
+  space left on device"; the other rank's next collective fails at once (no hang); the previous
+  checkpoint stays complete. Between faults the worker opens a fresh process group.
+In-process part: the pieces (data checks, checkpoint choice, lock, metrics rewrite) one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ringft.ops.spawn import run_distributed
+from tests.train.test_trainer import _fresh_group, _one_thread, tiny_recipe
+
+TIMEOUT = 180.0
+
+
+def _save_rows(path: Path, rows: list[list[int]], labels: list[list[int]] | None = None) -> str:
+    import datasets
+
+    columns = {"input_ids": rows}
+    if labels is not None:
+        columns["labels"] = labels
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
+    return str(path)
+
+
+def _short_rows(n: int = 12, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 200, (int(torch.randint(16, 24, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
+
+
+def _listing(root: Path) -> list[tuple[str, int, int]]:
+    if not root.exists():
+        return []
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def _fake_checkpoint(
+    out: Path, step: int, recipe: dict, files: dict[str, int] | None = None, state=True
+) -> Path:
+    folder = out / "checkpoints" / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    for name, size in (files or {}).items():
+        (folder / name).write_bytes(b"x" * size)
+    if state:
+        (folder / "trainer_state.json").write_text(
+            json.dumps({"step": step, "recipe": recipe, "world_size": 2, "dp_size": 2, "files": files or {}})
+        )
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker (module level: run_distributed imports this module in each rank)
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_bad_input(case: dict) -> dict:
+    from ringft import cli
+    from ringft.train import loop
+
+    def tripwire(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    real, loop.build_model = loop.build_model, tripwire
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            rc = cli.main(["train", case["recipe"], "--no-progress", *case.get("args", [])])
+    finally:
+        loop.build_model = real
+    return {"rc": rc, "stderr": err.getvalue()}
+
+
+@contextlib.contextmanager
+def _full_disk(target: str, rank: int, at_rank: int):
+    """Writes of ``target`` on ``at_rank`` fail with ENOSPC (torch.save for checkpoints, open() of
+    metrics.jsonl)."""
+    from ringft.train import run_dir
+
+    def enospc(path) -> OSError:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if target == "checkpoint" and "step-00000002.tmp" in str(f):
+            raise enospc(f)
+        return real_save(obj, f, *args, **kwargs)
+
+    def open_(path, mode="r", *args, **kwargs):
+        if target == "metrics" and str(path).endswith("metrics.jsonl") and "a" in mode:
+            raise enospc(path)
+        return open(path, mode, *args, **kwargs)
+
+    if rank == at_rank:
+        torch.save, run_dir.open = save, open_
+    try:
+        yield
+    finally:
+        torch.save = real_save
+        run_dir.__dict__.pop("open", None)
+
+
+def _run_fault(case: dict, rank: int) -> dict:
+    """Train under an injected full disk. The rank that meets it exits (``os._exit``) right after
+    recording its error, as ``ringft train`` would; the other rank must then fail at once."""
+    from ringft.train.loop import Trainer
+    from ringft.train.recipe import recipe_from_dict
+
+    out = io.StringIO()
+    result: dict = {"error": None}
+    with _full_disk(case["target"], rank, case["at_rank"]), contextlib.redirect_stdout(out):
+        try:
+            Trainer(recipe_from_dict(case["raw"]), progress=False).run()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            result = {"error": type(exc).__name__, "message": str(exc), "at": time.time()}
+    result["stdout"] = out.getvalue()
+    return result
+
+
+def _faults_worker(rank: int, world: int, cases: list[dict], store_dir: str) -> None:
+    """Run ``cases`` in order; each result goes to ``store_dir/rank{rank}.json`` as soon as it is
+    known (a fault, the last case, ends the rank that meets it: nothing is returned then)."""
+    _one_thread()
+    record = Path(store_dir) / f"rank{rank}.json"
+    results: dict = {}
+    for index, case in enumerate(cases, start=1):
+        if case["kind"] == "bad":
+            results[case["name"]] = _run_bad_input(case)
+            _fresh_group(store_dir, index, rank, world)
+        else:
+            results[case["name"]] = _run_fault(case, rank)
+        record.write_text(json.dumps(results))
+        if case["kind"] != "bad" and rank == case["at_rank"]:
+            os._exit(3)
+
+
+def _faulty_run(cases: list[dict], store: Path, failing_rank: int) -> list[dict]:
+    """The ranks' results; the rank that met the fault exited with code 3 (and nothing else died)."""
+    store.mkdir()
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_faults_worker, 2, cases, str(store), timeout=TIMEOUT)
+    assert re.search(rf"rank\(s\) \[{failing_rank}\] .*died with exit codes \[3\]", str(info.value)), (
+        info.value
+    )
+    return [json.loads((store / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the multi-process test
+# ---------------------------------------------------------------------------------------------
+
+
+def _write(path: Path, raw: dict) -> str:
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.mark.timeout(300)
+def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
+    from ringft.train.recipe import recipe_from_dict
+    from ringft.train.run_dir import OutputDirLock
+
+    good = _save_rows(tmp_path / "good", _short_rows())
+    long_rows = _save_rows(tmp_path / "long", _short_rows()[:5] + [list(range(3, 103))])
+    foreign = _save_rows(tmp_path / "foreign", _short_rows()[:5] + [[3, 4, 5000, 6] * 5])
+
+    def recipe(name: str, dataset: str = good, **sections) -> dict:
+        return tiny_recipe(tmp_path / name, dataset, **sections)
+
+    cases: list[dict] = []
+    expect: dict[str, list[str]] = {}
+
+    def bad(
+        name: str, raw: dict, words: list[str], args: list[str] | None = None, existing: bool = False
+    ) -> None:
+        cases.append(
+            {
+                "kind": "bad",
+                "name": name,
+                "recipe": _write(tmp_path / f"{name}.yaml", raw),
+                "args": args or [],
+                "out": raw["checkpoint"]["output_dir"],
+                "existing": existing,
+            }
+        )
+        expect[name] = words
+
+    bad("lr", recipe("lr"), ["train.lr must be a number > 0, got 'fast'"], ["--train.lr", "fast"])
+    bad("cp3", recipe("cp3", parallel={"cp_size": 3}), ["parallel.cp_size=3 does not divide the 2 launched"])
+    bad(
+        "max_steps",
+        recipe("max_steps", train={"max_steps": "20"}),
+        ["train.max_steps", "write 20 without quotes"],
+    )
+    bad(
+        "log_every",
+        recipe("log_every", logging={"log_every": 0}),
+        ["logging.log_every must be an integer >= 1"],
+    )
+    bad(
+        "vocab",
+        recipe("vocab", model={"config": {"vocab_size": 100}}),
+        ["tokenizer has 1658 tokens", "embedding has 100 rows", "model.tokenizer"],
+    )
+    bad(
+        "long",
+        recipe("long", long_rows),
+        ["1 of 6 rows", "longer than data.seq_len=64", "longest 100", "data.too_long"],
+    )
+    bad("foreign", recipe("foreign", foreign), ["'input_ids' holds values in [3, 5000]", "outside [0, 1658)"])
+    bad(
+        "no_model",
+        recipe("no_model", model={"config": None, "name_or_path": str(tmp_path / "missing-model")}),
+        ["no such model folder"],
+    )
+    bad(
+        "window",
+        recipe("window", model={"model_type": "mistral", "config": {"sliding_window": 32}}),
+        ["sliding_window=32 is shorter than data.seq_len=64", "sliding_window: null"],
+    )
+
+    # checkpoints already there: resume cases and a fresh start over them
+    base = recipe("ckpt")
+    incomplete = tmp_path / "incomplete"
+    _fake_checkpoint(incomplete, 2, base, state=False)
+    _fake_checkpoint(incomplete, 4, base, files={"model.safetensors": 10}, state=False)
+    bad(
+        "incomplete",
+        recipe("incomplete"),
+        [
+            "no checkpoint",
+            "is complete",
+            "step-00000002 lacks trainer_state.json",
+            "step-00000004 lacks trainer_state.json",
+        ],
+        ["--resume"],
+        True,
+    )
+    damaged = tmp_path / "damaged"
+    _fake_checkpoint(damaged, 2, {**base, "checkpoint": {**base["checkpoint"], "output_dir": str(damaged)}})
+    (_fake_checkpoint(damaged, 4, base, files={"model.safetensors": 10}) / "model.safetensors").unlink()
+    bad(
+        "damaged",
+        recipe("damaged"),
+        [
+            "step-00000004 is damaged",
+            "lacks model.safetensors",
+            "newest complete one is",
+            "step-00000002 (step 2)",
+        ],
+        ["--resume"],
+        True,
+    )
+    changed = tmp_path / "changed"
+    _fake_checkpoint(changed, 2, recipe_from_dict(recipe("changed", data={"seq_len": 32})).to_dict())
+    bad(
+        "changed",
+        recipe("changed"),
+        ["data.seq_len 32 -> 64", "would not continue exactly"],
+        ["--resume"],
+        True,
+    )
+    bad("fresh_over", recipe("changed"), ["already holds checkpoints", "pass --resume"], [], True)
+    held = tmp_path / "held"
+    held.mkdir()
+    bad("held", recipe("held"), ["is in use by another ringft run"], [], True)
+
+    # faults: a full disk in a checkpoint save (rank 1) and in metrics.jsonl (rank 0)
+    cases.append(
+        {
+            "kind": "fault",
+            "name": "ckpt_enospc",
+            "target": "checkpoint",
+            "at_rank": 1,
+            "raw": recipe(
+                "ckpt_enospc", train={"max_steps": 2, "warmup_steps": 0}, checkpoint={"save_every": 1}
+            ),
+        }
+    )
+    cases.append(
+        {
+            "kind": "fault",
+            "name": "metrics_enospc",
+            "target": "metrics",
+            "at_rank": 0,
+            "raw": recipe("metrics_enospc", train={"max_steps": 3, "warmup_steps": 0}),
+        }
+    )
+
+    before = {c["name"]: _listing(Path(c["out"])) for c in cases if c["kind"] == "bad"}
+    lock = OutputDirLock(held)
+    assert lock.acquire() is None  # another run holds the folder
+    lock_file_before = _listing(held)
+    metrics_case = cases.pop()  # a second call: a fault ends the call it happens in
+    try:
+        ranks = _faulty_run(cases, tmp_path / "store", failing_rank=1)
+    finally:
+        lock.release()
+    for rank, more in enumerate(_faulty_run([metrics_case], tmp_path / "store2", failing_rank=0)):
+        ranks[rank].update(more)
+
+    for case in cases:
+        name = case["name"]
+        if case["kind"] != "bad":
+            continue
+        for rank, results in enumerate(ranks):
+            got = results[name]
+            lines = [line for line in got["stderr"].splitlines() if line.startswith("ringft train: error:")]
+            assert got["rc"] == 2 and len(lines) == 1 and "Traceback" not in got["stderr"], (name, rank, got)
+            for word in expect[name]:
+                assert word in lines[0], f"{name} (rank {rank}): {word!r} not in {lines[0]!r}"
+        after = _listing(Path(case["out"]))
+        assert after == (lock_file_before if name == "held" else before[name]), (
+            f"{name}: something was written"
+        )
+
+    # full disk while rank 1 saves the step-2 checkpoint: one line on rank 1, rank 0 ends at once
+    from ringft.train.checkpoint import missing_files, resume_point
+
+    r0, r1 = (results["ckpt_enospc"] for results in ranks)
+    assert r1["error"] == "TrainError", r1
+    assert "step-00000002.tmp" in r1["message"] and "no space left on device" in r1["message"]
+    assert "step-00000001 is intact" in r1["message"] and "\n" not in r1["message"]
+    assert r0["error"] is not None and abs(r0["at"] - r1["at"]) < 10, (r0, r1)  # no hang
+    out = tmp_path / "ckpt_enospc"
+    assert resume_point(out) == out / "checkpoints" / "step-00000001" and not missing_files(resume_point(out))
+    # the mostly-padding warning: once, on the main process only, with the figures
+    assert len(re.findall(r"about \d+% of each batch is padding", r0["stdout"])) == 1, r0["stdout"]
+    assert "padding" not in r1["stdout"]
+
+    r0, r1 = (results["metrics_enospc"] for results in ranks)
+    assert r0["error"] == "TrainError" and "metrics.jsonl" in r0["message"], r0
+    assert "no space left on device" in r0["message"]
+    assert r1["error"] is not None and abs(r0["at"] - r1["at"]) < 10, (r0, r1)
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _recipe(tmp_path: Path, data: str, **data_keys):
+    from ringft.train.recipe import recipe_from_dict
+
+    return recipe_from_dict(tiny_recipe(tmp_path / "out", data, data=data_keys))
+
+
+@pytest.mark.parametrize("mode", ["truncate", "drop"])
+def test_long_rows_truncate_or_drop_with_counts(tmp_path, mode):
+    import datasets
+
+    from ringft.train.data import check_rows
+
+    rows = _short_rows(4) + [list(range(3, 103)), list(range(3, 83))]
+    labels = [list(r) for r in rows]
+    path = _save_rows(tmp_path / "d", rows, labels)
+    data = check_rows(datasets.load_from_disk(path), _recipe(tmp_path, path, too_long=mode), 1658, "d")
+    assert any(
+        "2 of 6 rows of d are longer than data.seq_len=64 (longest 100 tokens)" in n for n in data.notes
+    )
+    if mode == "truncate":
+        assert len(data) == 6
+        cut = data.examples([4, 0])
+        assert len(cut[0]["input_ids"]) == len(cut[0]["labels"]) == 64 and cut[1]["input_ids"] == rows[0]
+    else:
+        assert len(data) == 4 and [data.examples([i])[0]["input_ids"] for i in range(4)] == rows[:4]
+    assert not list((tmp_path / "d").glob("cache-*"))  # nothing written next to the dataset
+
+
+def test_label_range_and_padding_figures(tmp_path):
+    import datasets
+
+    from ringft.train.data import check_rows
+    from ringft.train.errors import RecipeError
+
+    rows = _short_rows(4)
+    labels = [[-100] * 3 + r[3:] for r in rows]
+    labels[2][5] = -7
+    path = _save_rows(tmp_path / "d", rows, labels)
+    with pytest.raises(RecipeError, match=r"'labels' holds values in .* outside \[0, 1658\) or -100"):
+        check_rows(datasets.load_from_disk(path), _recipe(tmp_path, path), 1658, "d")
+    labels[2][5] = 17
+    path = _save_rows(tmp_path / "ok", rows, labels)
+    data = check_rows(datasets.load_from_disk(path), _recipe(tmp_path, path), 1658, "ok")
+    (warning,) = data.notes
+    assert (
+        "warning: rows hold" in warning
+        and "of each batch is padding" in warning
+        and "data.seq_len=64" in warning
+    )
+
+
+def test_checkpoint_choice_names_folders_and_what_they_lack(tmp_path):
+    from ringft.train.checkpoint import complete_checkpoints, resume_point
+    from ringft.train.errors import RecipeError
+
+    assert resume_point(tmp_path) is None  # no checkpoints/: a fresh start
+    _fake_checkpoint(tmp_path, 2, {}, state=False)
+    (tmp_path / "checkpoints" / "step-00000003.tmp").mkdir()  # a save cut short: never a checkpoint
+    with pytest.raises(
+        RecipeError, match=r"no checkpoint .* is complete \(step-00000002 lacks trainer_state.json\)"
+    ):
+        resume_point(tmp_path)
+    good = _fake_checkpoint(tmp_path, 4, {}, files={"optimizer.bin": 8})
+    assert resume_point(tmp_path) == good and complete_checkpoints(tmp_path) == [good]
+    cut = _fake_checkpoint(tmp_path, 6, {}, files={"model.safetensors": 8})
+    (cut / "model.safetensors").write_bytes(b"x" * 3)
+    with pytest.raises(
+        RecipeError,
+        match=r"step-00000006 is damaged \(it lacks model.safetensors \(cut: 3 of 8 "
+        r"bytes\)\); the newest complete one is .*step-00000004 \(step 4\)",
+    ):
+        resume_point(tmp_path)
+
+
+def test_resume_differences_refused_or_warned(tmp_path):
+    from ringft.train.checkpoint import check_resumable
+    from ringft.train.errors import RecipeError
+    from ringft.train.recipe import recipe_from_dict
+
+    raw = tiny_recipe(tmp_path / "out", tmp_path)
+    folder = _fake_checkpoint(tmp_path, 2, recipe_from_dict(raw).to_dict())
+    state = {"recipe": recipe_from_dict(raw).to_dict(), "world_size": 2, "dp_size": 2}
+    assert check_resumable(folder, state) == []
+    raw["train"]["lr"], raw["train"]["max_steps"] = 5e-4, 8
+    (warning,) = check_resumable(folder, {**state, "recipe": recipe_from_dict(raw).to_dict()})
+    assert "train.lr 0.001 -> 0.0005" in warning and "train.max_steps 4 -> 8" in warning
+    for key, value in [("micro_batch_size", 1), ("seed", 3), ("grad_accum", 2)]:
+        changed = tiny_recipe(tmp_path / "out", tmp_path, train={key: value})
+        with pytest.raises(RecipeError, match=f"train.{key}"):
+            check_resumable(folder, {**state, "recipe": recipe_from_dict(changed).to_dict()})
+    with pytest.raises(RecipeError, match=r"world size 2 -> 4; dp size 2 -> 4"):
+        check_resumable(folder, {**state, "world_size": 4, "dp_size": 4})
+
+
+def test_metrics_rewrite_after_resume(tmp_path):
+    from ringft.train.run_dir import MetricsFile
+
+    metrics = MetricsFile(tmp_path)
+    for step in (1, 2, 3):
+        metrics.append({"step": step, "loss": float(step)})
+    with open(metrics.path, "a") as fh:
+        fh.write('{"step": 4, "lo')  # killed mid-write
+    assert metrics.truncate_after(2) == 2
+    assert [json.loads(line)["step"] for line in metrics.path.read_text().splitlines()] == [1, 2]
+
+
+def test_lock_is_exclusive_and_dies_with_its_process(tmp_path):
+    from ringft.train.run_dir import OutputDirLock
+
+    first, second = OutputDirLock(tmp_path), OutputDirLock(tmp_path)
+    assert first.acquire() is None
+    assert "in use by another ringft run" in second.acquire()
+    first.release()
+    assert second.acquire() is None
+    second.release()
+    # a process that holds the lock and is killed (SIGKILL) releases it
+    code = (
+        "import time; from ringft.train.run_dir import OutputDirLock; "
+        f"OutputDirLock({str(tmp_path)!r}).acquire(); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert "in use" in OutputDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    third = OutputDirLock(tmp_path)
+    assert third.acquire() is None
+    third.release()

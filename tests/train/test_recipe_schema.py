@@ -1,0 +1,145 @@
+"""The recipe schema: every key typed and range-checked where the recipe is loaded (issue 16), typos
+refused in every section (data.synthetic included, issue 11), one line naming key, value and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringft.train.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict
+from tests.train.test_trainer import tiny_recipe
+
+
+def _raw(tmp_path, **sections) -> dict:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    return tiny_recipe(tmp_path / "out", data, **sections)
+
+
+# (section, key, bad value, words the one-line message must contain)
+BAD_VALUES = [
+    ("train", "lr", -1, ["train.lr", "> 0", "-1"]),
+    ("train", "lr", 0, ["train.lr", "> 0"]),
+    ("train", "lr", "fast", ["train.lr", "a number", "'fast'"]),
+    ("train", "lr", float("nan"), ["train.lr", "finite"]),
+    ("train", "max_steps", "20", ["train.max_steps", "integer", "write 20 without quotes"]),
+    ("train", "max_steps", 20.5, ["train.max_steps", "integer", "20.5", "whole number"]),
+    ("train", "max_steps", 0, ["train.max_steps", ">= 1", "got 0"]),
+    ("train", "max_steps", True, ["train.max_steps", "integer", "True"]),
+    ("train", "micro_batch_size", 0, ["train.micro_batch_size", ">= 1"]),
+    ("train", "grad_accum", -2, ["train.grad_accum", ">= 1"]),
+    ("train", "warmup_steps", -1, ["train.warmup_steps", ">= 0"]),
+    ("train", "min_lr_ratio", 1.5, ["train.min_lr_ratio", "<= 1"]),
+    ("train", "weight_decay", -0.1, ["train.weight_decay", ">= 0"]),
+    ("train", "betas", [0.9], ["train.betas", "two numbers"]),
+    ("train", "betas", [0.9, 1.0], ["train.betas", "[0, 1)"]),
+    ("train", "grad_clip", -1, ["train.grad_clip", ">= 0"]),
+    ("train", "gradient_checkpointing", "yes", ["train.gradient_checkpointing", "true or false"]),
+    ("train", "chunked_loss", 1, ["train.chunked_loss", "true or false"]),
+    ("train", "tiled_mlp_tokens", 0, ["train.tiled_mlp_tokens", ">= 1"]),
+    ("train", "loss_chunk_size", 0, ["train.loss_chunk_size", ">= 1"]),
+    ("train", "seed", -1, ["train.seed", ">= 0"]),
+    ("train", "schedule", "linear", ["train.schedule", "constant, cosine", "'linear'"]),
+    ("logging", "log_every", 0, ["logging.log_every", ">= 1", "got 0"]),
+    ("logging", "tracker", "mlflow", ["logging.tracker", "tensorboard", "'mlflow'"]),
+    ("checkpoint", "save_every", -5, ["checkpoint.save_every", ">= 0", "-5"]),
+    ("checkpoint", "keep", 0, ["checkpoint.keep", ">= 1"]),
+    ("checkpoint", "output_dir", "", ["checkpoint.output_dir", "non-empty"]),
+    ("data", "seq_len", 1, ["data.seq_len", ">= 2"]),
+    ("data", "seq_len", "64", ["data.seq_len", "without quotes"]),
+    ("data", "too_long", "cut", ["data.too_long", "fail, truncate, drop"]),
+    ("data", "shuffle", "no", ["data.shuffle", "true or false"]),
+    ("parallel", "cp_size", 0, ["parallel.cp_size", ">= 1"]),
+    ("model", "dtype", "fp16", ["model.dtype", "bf16, fp32"]),
+    ("model", "attn_backend", "flash", ["model.attn_backend", "torch"]),
+    ("model", "rope_theta", -1e6, ["model.rope_theta", "> 0"]),
+    ("model", "max_position_embeddings", 0, ["model.max_position_embeddings", ">= 1"]),
+    ("model", "sliding_window", 0, ["model.sliding_window", "keep, null"]),
+    ("model", "rope_scaling", {"factor": 4.0}, ["model.rope_scaling", "rope_type"]),
+    ("lora", "r", 0, ["lora.r", ">= 1"]),
+    ("lora", "dropout", 1.0, ["lora.dropout", "< 1"]),
+    ("lora", "alpha", "big", ["lora.alpha", "a number"]),
+    ("lora", "target_modules", [], ["lora.target_modules", "non-empty list"]),
+]
+
+
+@pytest.mark.parametrize("section,key,value,words", BAD_VALUES, ids=lambda v: str(v)[:24])
+def test_wrong_type_or_range_is_one_line_naming_key_and_value(tmp_path, section, key, value, words):
+    raw = _raw(tmp_path, lora={"r": 4}) if section == "lora" else _raw(tmp_path)
+    raw[section][key] = value
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(raw)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for word in words:
+        assert word in msg, f"{word!r} not in: {msg}"
+
+
+def test_cross_field_checks(tmp_path):
+    with pytest.raises(RecipeError, match=r"train.warmup_steps=5 is beyond train.max_steps=4"):
+        recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 5}))
+    recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 4}))  # == max_steps is fine
+    with pytest.raises(RecipeError, match=r"data.synthetic.min_len=100 is larger than data.seq_len=64"):
+        recipe_from_dict(_raw(tmp_path, data={"path": None, "synthetic": {"min_len": 100}}))
+    with pytest.raises(RecipeError, match=r"rope_type 'dynamic' is not exact with parallel.cp_size=2"):
+        recipe_from_dict(
+            _raw(
+                tmp_path,
+                parallel={"cp_size": 2},
+                model={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            )
+        )
+    with pytest.raises(RecipeError, match="no 'data' section"):
+        recipe_from_dict({"model": {"config": {}, "tokenizer": "demo"}})
+
+
+def test_synthetic_section_is_typed_and_strict(tmp_path):
+    raw = _raw(tmp_path, data={"path": None, "synthetic": {"num_examples": 8, "loss_on": "all"}})
+    syn = recipe_from_dict(raw).data.synthetic
+    assert (syn.num_examples, syn.loss_on, syn.min_len) == (8, "all", None)
+    raw["data"]["synthetic"] = {"num_example": 8}  # a typo: no silent default any more
+    with pytest.raises(RecipeError, match=r"data.synthetic.num_example.*valid keys.*num_examples"):
+        recipe_from_dict(raw)
+    raw["data"]["synthetic"] = {"loss_on": "prompt"}
+    with pytest.raises(RecipeError, match=r"data.synthetic.loss_on must be one of answer, all"):
+        recipe_from_dict(raw)
+    raw["data"]["synthetic"] = {"num_examples": "8"}
+    with pytest.raises(RecipeError, match=r"data.synthetic.num_examples must be an integer"):
+        recipe_from_dict(raw)
+    raw["data"]["synthetic"] = [8]
+    with pytest.raises(RecipeError, match=r"'data.synthetic' must be a mapping"):
+        recipe_from_dict(raw)
+
+
+def test_overrides_parse_as_yaml_and_are_checked(tmp_path):
+    raw = _raw(tmp_path)
+    recipe = recipe_from_dict(apply_overrides(raw, ["--train.lr", "2e-5", "--train.max_steps", "7"]))
+    assert recipe.train.lr == 2e-5 and recipe.train.max_steps == 7
+    with pytest.raises(RecipeError, match=r"train.lr must be a number > 0, got 'fast'"):
+        recipe_from_dict(apply_overrides(raw, ["--train.lr", "fast"]))
+    nested = apply_overrides(
+        _raw(tmp_path, data={"path": None, "synthetic": {}}), ["--data.synthetic.num_examples", "5"]
+    )
+    assert recipe_from_dict(nested).data.synthetic.num_examples == 5
+    assert raw["train"]["lr"] == 1e-3  # the input mapping is not modified
+
+
+def test_yaml_scientific_notation_is_a_number(tmp_path):
+    """PyYAML reads ``2e-5`` (no dot) as a string; a float key accepts that spelling."""
+    raw = _raw(tmp_path)
+    raw["train"]["lr"] = "2e-5"
+    assert recipe_from_dict(raw).train.lr == 2e-5
+
+
+def test_launch_world_size_from_the_environment(tmp_path, monkeypatch):
+    """Under accelerate / torchrun (WORLD_SIZE set), a cp_size that does not divide the launch is
+    named first, not the seq_len divisibility it also breaks."""
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_raw(tmp_path, parallel={"cp_size": 3})))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=r"parallel.cp_size=3 does not divide the 2 launched processes"):
+        load_recipe(path)
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(RecipeError, match=r"data.seq_len=64 is not divisible by 2 \* cp_size = 6"):
+        load_recipe(path)
