@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import describe_machine  # noqa: E402
 from ringft.ops import DTYPES as _ALL_DTYPES  # noqa: E402
 from ringft.ops import accumulator_dtype, default_softmax_scale  # noqa: E402
+from ringft.ops.backends import BlockAttention, get_backend  # noqa: E402
 from ringft.ops.emulate import run_schedule  # noqa: E402
-from ringft.ops.kernels import BlockAttention, get_backend  # noqa: E402
 from ringft.ops.merge import merge_attention_  # noqa: E402
 from ringft.ops.sharding import zigzag_shard  # noqa: E402
 from ringft.ops.spawn import run_distributed  # noqa: E402

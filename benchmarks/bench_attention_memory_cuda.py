@@ -17,7 +17,7 @@ import datetime
 import torch
 
 from ringft import zigzag_ring_attention
-from ringft.ops.kernels import TorchBackend
+from ringft.ops.backends import TorchBackend
 
 
 def _parse(text: str) -> list[int]:

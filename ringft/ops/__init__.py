@@ -1,6 +1,6 @@
 """Pure math and communication for zigzag ring attention. Never imports transformers.
 
-Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp merge), ``kernels``
+Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp merge), ``backends``
 (block backend interface and choice; backends in ``reference``, ``torch_backend``,
 ``flash_backend``), ``comm`` (ring exchange), ``zigzag_blocks`` + ``zigzag`` (the operator),
 ``validate`` (errors on every rank), ``decode`` (sharded KV cache for inference), ``sharding``
@@ -8,9 +8,9 @@ Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp mer
 process), ``parallel`` (the DP x CP process layout), ``spawn`` (N gloo processes with a timeout).
 """
 
+from ringft.ops.backends import BACKENDS, default_softmax_scale, get_backend
 from ringft.ops.decode import ShardedKVCache, sharded_cache_attention
 from ringft.ops.dtypes import DTYPES, accumulator_dtype, dtype_from_name, dtype_name
-from ringft.ops.kernels import BACKENDS, default_softmax_scale, get_backend
 from ringft.ops.merge import merge_attention_
 from ringft.ops.zigzag import zigzag_ring_attention
 

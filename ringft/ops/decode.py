@@ -17,9 +17,9 @@ import bisect
 import torch
 import torch.distributed as dist
 
+from ringft.ops.backends import default_softmax_scale, get_backend
 from ringft.ops.comm import group_rank_and_size
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
-from ringft.ops.kernels import default_softmax_scale, get_backend
 from ringft.ops.merge import merge_attention_
 
 Tensor = torch.Tensor

@@ -2,9 +2,9 @@
 
 Step 0 is a varlen causal attention over the local document ranges: a backend's own
 ``forward_varlen`` / ``backward_varlen`` when it has one (flash-attn, the reference's mask),
-otherwise fused calls per document, or, where the backend asks for it (``causal_tile``, torch on
-CPU), aligned tiles in one batched masked call plus rectangles. Later steps are one unmasked
-rectangle per row (or none).
+otherwise fused calls per document, or, where the backend is a ``MaskedTileAttention`` whose
+``causal_tile`` asks for it (torch on CPU), aligned tiles in one batched masked call plus
+rectangles. Later steps are one unmasked rectangle per row (or none).
 Batch rows with the same plan share each call.
 """
 
@@ -14,9 +14,9 @@ from functools import lru_cache
 
 import torch
 
+from ringft.ops.backends import BlockAttention, MaskedTileAttention, VarlenAttention
 from ringft.ops.documents import DocumentPlan, RowPlan
 from ringft.ops.dtypes import accumulator_dtype
-from ringft.ops.kernels import BlockAttention
 from ringft.ops.merge import merge_attention_
 
 Tensor = torch.Tensor
@@ -107,8 +107,7 @@ def _tile_lse(lse: Tensor, aligned: int, tile: int) -> Tensor:
 
 
 def _tile(kernel: BlockAttention, q: Tensor) -> int | None:
-    tile = getattr(kernel, "causal_tile", None)
-    return tile(q) if tile is not None else None
+    return kernel.causal_tile(q) if isinstance(kernel, MaskedTileAttention) else None
 
 
 def varlen_forward(
@@ -120,7 +119,7 @@ def varlen_forward(
     A backend's own ``forward_varlen`` when it has one, else the fused op per
     :func:`causal_pieces` (aligned tiles of the backend's ``causal_tile``), merged by log-sum-exp."""
     acc = accumulator_dtype(q.dtype)
-    if hasattr(kernel, "forward_varlen"):
+    if isinstance(kernel, VarlenAttention):
         out, lse = kernel.forward_varlen(q, k, v, bounds, softmax_scale)
         return out.to(acc), lse.to(acc)
     batch, seq = q.shape[:2]
@@ -160,7 +159,7 @@ def varlen_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`varlen_forward` w.r.t. the merged ``out``/``lse``: ``(dq, dk, dv)`` shaped
     like q and k/v (the accumulator dtype when the block was cut into tiles)."""
-    if hasattr(kernel, "backward_varlen"):
+    if isinstance(kernel, VarlenAttention):
         return kernel.backward_varlen(dout, q, k, v, out, lse, bounds, softmax_scale)
     tile = _tile(kernel, q)
     aligned, pieces = causal_pieces(bounds, tile)

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from ringft.ops.backends import BlockAttention, default_softmax_scale, get_backend
 from ringft.ops.documents import DocumentPlan, document_plan
 from ringft.ops.dtypes import accumulator_dtype
-from ringft.ops.kernels import BlockAttention, default_softmax_scale, get_backend
 from ringft.ops.sharding import zigzag_shard, zigzag_unshard
 from ringft.ops.zigzag_blocks import backward_block, forward_block
 

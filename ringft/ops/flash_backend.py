@@ -184,7 +184,7 @@ def flash_api_for(version: str, forward_fn, backward_fn) -> FlashApi:
 
 
 class FlashAttnBackend:
-    """Block attention with flash-attn 2; layouts as in :mod:`ringft.ops.kernels`.
+    """Block attention with flash-attn 2; layouts as in :mod:`ringft.ops.backends`.
 
     ``module``/``version`` stand in for ``flash_attn.flash_attn_interface`` and
     ``flash_attn.__version__`` (tests); by default both are imported lazily, at the first call.

@@ -16,7 +16,7 @@ __all__ = ["ReferenceBackend"]
 
 
 class ReferenceBackend:
-    """Block attention by explicit scores; layouts as in :mod:`ringft.ops.kernels`.
+    """Block attention by explicit scores; layouts as in :mod:`ringft.ops.backends`.
 
     ``forward(q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), causal, softmax_scale)`` -> ``(out (B, Sq, Hq,
     D) in q's dtype, lse (B, Hq, Sq) fp32/fp64)``; ``backward`` takes the merged ``out``/``lse``.

@@ -40,7 +40,7 @@ def pad_lse_for_efficient_backward(lse: Tensor, align: int = EFFICIENT_LSE_ALIGN
 
 
 class TorchBackend:
-    """Block attention with torch's fused kernels; layouts as in :mod:`ringft.ops.kernels`.
+    """Block attention with torch's fused kernels; layouts as in :mod:`ringft.ops.backends`.
 
     ``forward(q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), causal, softmax_scale)`` -> ``(out (B, Sq, Hq,
     D) in q's dtype, lse (B, Hq, Sq) fp32/fp64)``; ``backward`` takes the merged ``out``/``lse``.

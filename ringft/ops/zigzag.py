@@ -20,10 +20,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ringft.ops.backends import BACKENDS, BlockAttention, default_softmax_scale, get_backend
 from ringft.ops.comm import RingExchange, group_rank_and_size
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
-from ringft.ops.kernels import BACKENDS, BlockAttention, default_softmax_scale, get_backend
 from ringft.ops.validate import DTYPE_CODES, raise_on_every_rank
 from ringft.ops.zigzag_blocks import backward_block, forward_block
 
@@ -246,7 +246,7 @@ def zigzag_ring_attention(
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         group: the context-parallel process group (default: the world group; N = 1 needs no
             torch.distributed at all).
-        backend: ``auto`` | ``torch`` | ``flash_attn`` | ``reference`` (see ``ringft.ops.kernels``).
+        backend: ``auto`` | ``torch`` | ``flash_attn`` | ``reference`` (see ``ringft.ops.backends``).
         return_lse: also return the log-sum-exp ``(batch, heads_q, seq_local)`` in fp32.
         validate: check that every rank's inputs are usable and agree (one small all_gather and a
             host sync) before any ring traffic. ``False`` keeps only this rank's own checks, with

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from ringft.ops.backends import BlockAttention
 from ringft.ops.document_blocks import Piece, backward_block_documents, forward_block_documents
 from ringft.ops.documents import DocumentPlan
 from ringft.ops.dtypes import accumulator_dtype
-from ringft.ops.kernels import BlockAttention
 from ringft.ops.merge import merge_attention_
 
 Tensor = torch.Tensor

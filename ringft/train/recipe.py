@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ringft.ops.kernels import BACKENDS
+from ringft.ops.backends import BACKENDS
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list
 

@@ -55,3 +55,29 @@ def test_operator_follows_autocast():
     assert q.grad.dtype == torch.float32  # the gradient flows back to the fp32 input
     ref, _ = full_attention_fp64(q.detach().bfloat16(), k.bfloat16(), v, causal=True)
     assert (out.double() - ref).abs().max() <= 1.6e-2 * ref.abs().max()
+
+
+def test_backends_declare_what_they_can_do():
+    """The interface names every capability document_blocks uses: each backend is a BlockAttention,
+    and the optional Protocols are exactly the ones whose methods it defines."""
+    from ringft.ops.backends import (
+        BlockAttention,
+        FlashAttnBackend,
+        MaskedTileAttention,
+        ReferenceBackend,
+        TorchBackend,
+        VarlenAttention,
+    )
+
+    required = [m for m in ("check", "forward", "backward") if m in BlockAttention.__dict__]
+    assert required == ["check", "forward", "backward"]
+    expected = {
+        TorchBackend: (False, True),
+        FlashAttnBackend: (True, False),
+        ReferenceBackend: (True, False),
+    }
+    for cls, (varlen, tiles) in expected.items():
+        backend = cls()
+        assert all(callable(getattr(backend, m)) for m in required), cls
+        assert isinstance(backend, VarlenAttention) is varlen, cls
+        assert isinstance(backend, MaskedTileAttention) is tiles, cls

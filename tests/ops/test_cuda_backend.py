@@ -16,8 +16,8 @@ import itertools
 import pytest
 import torch
 
+from ringft.ops.backends import FlashAttnBackend
 from ringft.ops.emulate import emulate_zigzag_attention
-from ringft.ops.kernels import FlashAttnBackend
 from tests.oracle import full_attention_fp64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -16,9 +16,9 @@ import warnings
 import pytest
 import torch
 
-from ringft.ops import kernels
+from ringft.ops import backends
+from ringft.ops.backends import FlashAttnBackend, auto_backend_choice, get_backend
 from ringft.ops.flash_backend import FLASH_API, flash_api_for, parse_version
-from ringft.ops.kernels import FlashAttnBackend, auto_backend_choice, get_backend
 from tests.ops.flash_stubs import TESTED_VERSIONS, make_stub, stub_2_6
 from tests.oracle import full_attention_fp64
 
@@ -90,16 +90,16 @@ def test_auto_choice_reasons():
 
 def test_auto_warns_once_per_reason(monkeypatch):
     monkeypatch.setattr(FlashAttnBackend, "is_available", staticmethod(lambda: True))
-    monkeypatch.setattr(kernels, "_flash_import_error", lambda: None)
-    monkeypatch.setattr(kernels, "_capability", lambda index: (7, 0))
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr(backends, "_flash_import_error", lambda: None)
+    monkeypatch.setattr(backends, "_capability", lambda index: (7, 0))
+    monkeypatch.setattr(backends, "_WARNED", set())
     cuda = torch.device("cuda")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(3):
             assert get_backend("auto", cuda, torch.bfloat16).name == "torch"
     assert len(seen) == 1 and "sm70" in str(seen[0].message)
-    monkeypatch.setattr(kernels, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(backends, "_capability", lambda index: (8, 0))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert get_backend("auto", cuda, torch.bfloat16).name == "flash_attn"

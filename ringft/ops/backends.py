@@ -1,6 +1,8 @@
-"""Local block attention backends: the interface, and the choice of one by name.
+"""Block attention backends: the interface they implement (required and optional parts), and the
+choice of one by name. The kernels themselves live in one module per backend.
 
-Every backend implements the same two calls on one block of queries against one block of keys:
+Every backend implements the same two calls on one block of queries against one block of keys
+(:class:`BlockAttention`):
 
     forward(q, k, v, causal, softmax_scale)                      -> (out, lse)
     backward(dout, q, k, v, out, lse, causal, softmax_scale)     -> (dq, dk, dv)
@@ -11,6 +13,12 @@ their grads are ``(batch, seq_k, heads_kv, head_dim)`` with ``heads_q % heads_kv
 input dtype. ``backward`` takes an *externally merged* ``out``/``lse`` (the result over all keys, not
 just this block), which is what makes the ring backward exact. ``causal`` is only used with
 ``seq_q == seq_k`` (the diagonal block), so top-left vs bottom-right alignment never matters.
+
+Two optional capabilities, each its own Protocol, used by packed documents
+(:mod:`ringft.ops.document_blocks`) when a backend has them: :class:`VarlenAttention` (causal
+attention inside each document of a block in one call: flash-attn's varlen, the reference's mask)
+and :class:`MaskedTileAttention` (aligned tiles in one batched call under an additive mask: torch on
+CPU).
 
 Backends: ``reference`` (:mod:`ringft.ops.reference`), ``torch`` (:mod:`ringft.ops.torch_backend`),
 ``flash_attn`` (:mod:`ringft.ops.flash_backend`); ``auto`` picks flash_attn on CUDA when it will
@@ -23,7 +31,7 @@ import functools
 import importlib
 import math
 import warnings
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -37,8 +45,10 @@ __all__ = [
     "BACKENDS",
     "BlockAttention",
     "FlashAttnBackend",
+    "MaskedTileAttention",
     "ReferenceBackend",
     "TorchBackend",
+    "VarlenAttention",
     "auto_backend_choice",
     "default_softmax_scale",
     "get_backend",
@@ -72,6 +82,57 @@ class BlockAttention(Protocol):
         softmax_scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq (B, Sq, Hq, D), dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, D))``."""
+
+
+@runtime_checkable
+class VarlenAttention(Protocol):
+    """Optional: causal attention inside each segment ``[bounds[i], bounds[i+1])`` of a block, in one
+    call. q ``(B, S, Hq, D)``, k/v ``(B, S, Hkv, D)``, ``bounds = (0, ..., S)`` local offsets."""
+
+    def forward_varlen(
+        self, q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], softmax_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out (B, S, Hq, D), lse (B, Hq, S))``."""
+
+    def backward_varlen(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        bounds: tuple[int, ...],
+        softmax_scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` shaped like q, k, v, against the merged ``out``/``lse``."""
+
+
+@runtime_checkable
+class MaskedTileAttention(Protocol):
+    """Optional: many small blocks in one batched call under an additive mask (0 or -inf, q's dtype,
+    no row fully masked): q ``(T, tile, Hq, D)``, k/v ``(T, tile, Hkv, D)``, mask ``(T, 1, tile, tile)``."""
+
+    def causal_tile(self, q: Tensor) -> int | None:
+        """The tile size to cut causal blocks into for ``q``, or None for one call per document."""
+
+    def forward_masked(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softmax_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out (T, tile, Hq, D), lse (T, Hq, tile))``."""
+
+    def backward_masked(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        mask: Tensor,
+        softmax_scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` shaped like q, k, v."""
 
 
 def auto_backend_choice(
