@@ -1,12 +1,17 @@
-"""README's Python examples run as written (issue 17, item 3): each ```python block is extracted from
-README.md and run under ``torchrun`` on 2 CPU processes with ``RINGFT_EXAMPLE_DEVICE=cpu`` (the
-switch the examples honour: gloo, fp32) and ``RINGFT_EXAMPLE_MODEL`` pointing at a tiny saved LLaMA
-with the shipped demo tokenizer, so the examples cannot drift from the code.
+"""The documentation's Python examples run as written (issue 17, item 3; issue 23, item 6): every
+fenced ``python`` (or ``py``) block of README.md and of docs/*.md is extracted and run, so no example
+can drift from the code.
 
-The own-loop example gets an epilogue that checks it against the oracle: one process, no ring, the
-whole batch. Tolerance: the ring reorders fp32 sums (attention over <= 2 x 256 keys, the loss over
-as many tokens and a vocabulary of 1658, hidden 32, intermediate 64): eps32 x their total length,
-relative to the loss and to each gradient's largest entry.
+Discovery: each page is read line by line; a fence may be indented (inside a list item), and its
+body is dedented by the fence's indent. A block that starts a process group (``init_process_group``)
+runs under ``torchrun`` on 2 CPU processes; any other block runs in one process. Both get
+``RINGFT_EXAMPLE_DEVICE=cpu`` (the switch the examples honour: gloo, fp32), ``RINGFT_EXAMPLE_MODEL``
+pointing at a tiny saved LLaMA with the shipped demo tokenizer, and a fresh working folder.
+
+README's own-loop example gets an epilogue that checks it against the oracle: one process, no ring,
+the whole batch. Tolerance: the ring reorders fp32 sums (attention over <= 2 x 256 keys, the loss
+over as many tokens and a vocabulary of 1658, hidden 32, intermediate 64): eps32 x their total
+length, relative to the loss and to each gradient's largest entry.
 """
 
 from __future__ import annotations
@@ -16,13 +21,54 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PYTHON_FENCES = ("python", "py")
 RTOL = torch.finfo(torch.float32).eps * (2 * 256 + 2 * 256 + 1658 + 32 + 64)
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[^`\s]*)")
+
+
+class Block(NamedTuple):
+    """One fenced code block: its page (relative to the repository), first line and language."""
+
+    page: str
+    line: int
+    lang: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    """Every fenced block of a markdown page (indented fences included, bodies dedented)."""
+    blocks: list[Block] = []
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, start, body = len(m["indent"]), i + 1, []
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            line = lines[i]
+            body.append(line[indent:] if line[:indent].strip() == "" else line.lstrip())
+            i += 1
+        assert i < len(lines), f"{path.name}:{start}: code fence never closed"
+        blocks.append(Block(path.relative_to(REPO).as_posix(), start, m["lang"], "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+BLOCKS = [b for page in PAGES for b in fenced_blocks(page) if b.lang in PYTHON_FENCES]
 
 EPILOGUE = """
 # --- test epilogue: the oracle is one process, no ring, the whole batch ---
@@ -43,6 +89,11 @@ for (key, p), q in zip(model.named_parameters(), reference.parameters()):
     assert err <= rtol, (key, err)
 print(f"rank {rank}: the README example matches one process", flush=True)
 """
+
+
+def _is_own_loop(block: Block) -> bool:
+    code = block.code
+    return block.page == "README.md" and "apply_ring_attention" in code and "loss_normalization" in code
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +120,32 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 def test_readme_has_the_own_loop_example():
-    assert any("apply_ring_attention" in b and "loss_normalization" in b for b in BLOCKS)
-    assert all("RINGFT_EXAMPLE_DEVICE" in b for b in BLOCKS), "every example honours the CPU switch"
+    assert sum(_is_own_loop(b) for b in BLOCKS) == 1
+    pages = {b.page for b in BLOCKS}
+    assert {"README.md", "docs/api.md", "docs/packed-data.md"} <= pages, pages
+
+
+def test_examples_honour_the_cpu_switch():
+    """An example that would use a GPU or start a process group reads RINGFT_EXAMPLE_DEVICE, so the
+    test-suite runs it on CPU as written."""
+    for b in BLOCKS:
+        if "cuda" in b.code or "init_process_group" in b.code:
+            assert "RINGFT_EXAMPLE_DEVICE" in b.code, f"{b.id}: the example ignores RINGFT_EXAMPLE_DEVICE"
+
+
+def test_every_fence_names_its_language():
+    """A fence without a language could hide a Python example from the runner below."""
+    for page in PAGES:
+        for b in fenced_blocks(page):
+            assert b.lang, f"{b.id}: give the code fence a language (python, bash, text, ...)"
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs_on_two_cpu_processes(index, tiny_model_dir, tmp_path):
-    code = BLOCKS[index]
-    if "apply_ring_attention" in code:
-        code += EPILOGUE
-    script = tmp_path / f"readme_example_{index}.py"
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
+def test_doc_example_runs(block, tiny_model_dir, tmp_path):
+    code = block.code + (EPILOGUE if _is_own_loop(block) else "")
+    script = tmp_path / "example.py"
     script.write_text(code)
     env = dict(
         os.environ,
@@ -90,14 +155,16 @@ def test_readme_example_runs_on_two_cpu_processes(index, tiny_model_dir, tmp_pat
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(REPO),
     )
+    distributed = "init_process_group" in block.code
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if distributed else []
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        [sys.executable, *launcher, str(script)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    if "apply_ring_attention" in BLOCKS[index]:
+    assert proc.returncode == 0, f"{block.id}\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
+    if _is_own_loop(block):
         assert proc.stdout.count("the README example matches one process") == 2, proc.stdout
