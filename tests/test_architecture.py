@@ -1,6 +1,6 @@
 """The package's layering, read from its own imports (``ast``), so the structure stays true.
 
-Layers, lowest first (README, "Architecture"). A module may import from a lower layer, or from its
+Layers, lowest first (docs/architecture.md). A module may import from a lower layer, or from its
 own package (``ringft.train.loop`` -> ``ringft.train.recipe``); never from a higher layer or from a
 sibling package of the same layer. Lazy imports inside functions count too.
 """
