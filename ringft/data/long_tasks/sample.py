@@ -16,13 +16,15 @@ __all__ = ["Builder", "Sample", "TaskRequest"]
 @dataclass(frozen=True)
 class TaskRequest:
     """What a task builder gets: the run ``seed``, this sample's own ``sample_seed`` (all of its
-    random draws come from it), the requested ``length`` and the prompt ``budget`` in tokens, the
+    random draws come from it), its ``index`` (RULER's QA tasks take question ``index`` of the data
+    set), the requested ``length`` and the prompt ``budget`` in tokens, the
     requested needle ``depth`` (None: the benchmark's own placement) and the tokenizer (only the
     variable-tracking task uses it, to fit its one-shot example as RULER does)."""
 
     task: str
     tokenizer: Any
     length: int
+    index: int
     budget: int
     seed: int
     sample_seed: int
