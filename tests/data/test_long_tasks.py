@@ -307,3 +307,26 @@ def test_word_sources():
         len(set(extended)) == len(extended)
         and sum("-" in w and w not in words.cwe_words(0) for w in extended) == 500
     )
+
+
+def _cached_smollm2():
+    from tests.real_model import FOLDER_NAME, cache_root
+
+    path = cache_root() / FOLDER_NAME
+    return path if (path / "tokenizer.json").is_file() else None
+
+
+@pytest.mark.skipif(_cached_smollm2() is None, reason="SmolLM2 not converted yet (tests/real_model.py)")
+def test_real_chat_template_smollm2():
+    """SmolLM2's own chat template: the task text is the user turn, the answer prefix follows the
+    assistant header, and the count is the real tokenization (<= length - tokens to generate)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_cached_smollm2())
+    for task in ("niah_single_1", "vt", "passkey"):
+        sample = generate_sample(task, tokenizer, 3072, 0)
+        assert sample.chat_template and sample.input.startswith("<|im_start|>")
+        assert sample.input.endswith("<|im_start|>assistant\n")
+        ids = encode_prompt(tokenizer, sample.prompt, True)
+        assert len(ids) == sample.num_tokens <= 3072 - sample.tokens_to_generate
+        assert sample.num_tokens > 3072 - sample.tokens_to_generate - 60  # one haystack unit short at most
