@@ -170,6 +170,14 @@ def test_registry_table():
     assert {name: TASKS[name].tokens_to_generate for name in RULER_TASKS} == expected
     assert all(TASKS[name].metric == "string_match_all" for name in RULER_TASKS)
     assert TASKS["passkey"].metric == "passkey_match" and NIAH_TASKS == ("passkey", "niah_single_1")
+    assert TASKS["niah_single_1"].answer_prefix == (
+        " The special magic {type_needle_v} for {query} mentioned in the provided text is"
+    )
+    assert TASKS["niah_multivalue"].answer_prefix.endswith("provided text are")
+    assert TASKS["cwe"].answer_prefix == " Answer: The top 10 words that appear most often in the list are:"
+    assert {TASKS[n].metric for n in ("qa_1", "qa_2")} == {"string_match_part"} and TASKS[
+        "qa_1"
+    ].tokens_to_generate == 32
     assert {n for n, s in TASKS.items() if s.needs_data == "PaulGrahamEssays.json"} == {
         "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery"
     }  # fmt: skip

