@@ -1,5 +1,7 @@
-"""Data side: the CP collator, corpus packing, and line retrieval (``line_retrieval``: LongChat-style
-records, their prompt text, cases, scoring, synthetic training examples and the demo tokenizer).
+"""Data side: the CP collator, corpus packing, line retrieval (``line_retrieval``: LongChat-style
+records, their prompt text, cases, scoring, synthetic training examples and the demo tokenizer) and
+the long-context evaluation tasks (``long_tasks``: LongLoRA's passkey, RULER's synthetic tasks, their
+scoring and effective length).
 
 Only the collator is imported here (``packing`` and ``line_retrieval.training`` pull in ``datasets``).
 """

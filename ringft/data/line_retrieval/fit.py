@@ -29,6 +29,7 @@ from ringft.data.line_retrieval.text import (
     name_capacity,
     render_line,
 )
+from ringft.data.search import largest_fitting
 
 
 def target_index_for_depth(depth: float, num_lines: int) -> int:
@@ -78,7 +79,7 @@ class _RecordFitter:
 
     Prefix sums of the standalone per-line token counts give a first guess (exact for tokenizers
     that are additive on line boundaries); full tokenizations then confirm it, stepping out with
-    doubling steps until the answer is bracketed and bisecting the bracket.
+    doubling steps until the answer is bracketed and bisecting the bracket (``largest_fitting``).
     """
 
     def __init__(
@@ -143,21 +144,7 @@ class _RecordFitter:
         def fits(n: int) -> bool:
             return self.tokens(n) <= target_tokens
 
-        step = 1
-        if fits(guess):
-            low = guess
-            while fits(low + step):
-                low, step = low + step, 2 * step
-            high = low + step
-        else:
-            high = guess
-            while high - step > 1 and not fits(high - step):
-                high, step = high - step, 2 * step
-            low = max(1, high - step)
-        while high - low > 1:  # invariant: fits(low), not fits(high)
-            mid = (low + high) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        return low
+        return largest_fitting(fits, guess, 1)
 
 
 @dataclass
