@@ -160,6 +160,13 @@ def explain(times: list[StepTime]) -> str:
             f"dominated by {term} ({_s(value)})"
             + (f", K/V heads replicated {t.kv_copies}x" if t.kv_copies > 1 else "")
         )
+    spread = max(t.seconds for t in times) / best.seconds - 1
+    if spread < 0.03:
+        lines.append(
+            f"  all splits are within {100 * spread:.1f}% of each other: the step is compute-bound "
+            f"(ideal attention {_s(best.attention_ideal)} of {_s(best.seconds)}), so the split matters "
+            "little and the pick rests on the unvalidated communication terms"
+        )
     lines.append(
         "(model: attention compute fitted to H100 measurements; communication terms and U > 1 kernel "
         "efficiency are unvalidated until a multi-GPU run; the memory plan above assumes the ring)"

@@ -128,7 +128,38 @@ def hybrid_worker(rank: int, world: int) -> bytes:
                 record["bitwise"] = all(torch.equal(a, b) for a, b in zip(record["tensors"], got))
             records[(cp, i, dp_rank, cp_rank)] = record
     records[("errors", rank)] = _error_cases(rank, world)
+    records[("alltoall", rank)] = _alltoall_cases(rank, world)
     return _to_bytes(records)  # tensors through the result queue would need shared memory
+
+
+def _alltoall_cases(rank: int, world: int) -> list[str]:
+    """gloo's all_to_all_single through seq_to_heads / heads_to_seq, exactly, for every split of 6
+    and fp64, fp32, bf16, fp16 (integer-valued data), with non-contiguous incoming gradients.
+    Returns the failures (empty when all is well)."""
+    from ringft.ops.alltoall import heads_to_seq, seq_to_heads
+    from ringft.ops.cp_sharding import cp_position_ids
+    from ringft.ops.hybrid_layout import build_hybrid_layout
+
+    failures = []
+    for u in (2, 3, 6):
+        layout = build_hybrid_layout(world, u)
+        g, h = layout.groups, 12 // u  # 12 heads, h per rank after the exchange
+        ring_shard = torch.cat([cp_position_ids(SEQ, layout.ring_rank * u + j, world, u) for j in range(u)])
+        heads = slice(layout.ulysses_rank * h, (layout.ulysses_rank + 1) * h)
+        for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+            x = torch.arange(BATCH * SEQ * 12 * 4).view(BATCH, SEQ, 12, 4).remainder(251).to(dtype)
+            grad = -x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
+            mine = cp_shard(x, rank, world, u).clone().requires_grad_()
+            (y,) = seq_to_heads(mine, group=g.ulysses)
+            (back,) = heads_to_seq(y, group=g.ulysses)
+            (y * grad[:, ring_shard, heads]).sum().backward()
+            checks = {
+                "to heads": torch.equal(y, x[:, ring_shard, heads]),
+                "round trip": torch.equal(back, mine),
+                "backward": torch.equal(mine.grad, cp_shard(grad, rank, world, u)),
+            }
+            failures += [f"U={u} {dtype} {name}" for name, ok in checks.items() if not ok]
+    return failures
 
 
 def _raises(fn, *args, **kwargs) -> str:
@@ -262,6 +293,13 @@ def test_bad_inputs_raise_on_every_rank(records):
             assert fragment in seen[case], f"{case} on rank {rank}: {seen[case]}"
         expected = "query heads (3)" if rank == 0 else "bad inputs on CP rank(s) [0]"
         assert expected in seen["heads_one_rank"], seen["heads_one_rank"]
+
+
+@pytest.mark.timeout(240)
+def test_all_to_all_is_exact_on_gloo(records):
+    """fp64 / fp32 / bf16 / fp16 through gloo's all_to_all_single, forward and backward, bit-exact."""
+    for rank in range(6):
+        assert records[("alltoall", rank)] == [], records[("alltoall", rank)]
 
 
 def test_one_process_is_the_ring():

@@ -91,3 +91,18 @@ def test_heads_refused_with_sizes_that_work():
     assert "query heads (28) are not divisible by ulysses_size=8" in msg and "[1, 2, 4]" in msg
     assert ulysses_sizes_that_work(28) == [1, 2, 4, 7, 14, 28]
     assert ulysses_sizes_that_work(32, 12) == [1, 2, 4]
+
+
+def test_kv_replication_is_logged_once(caplog):
+    """The K/V heads sent to U ranks: repeated in place (GQA order kept), and said once per shape."""
+    from ringft.ops.ulysses import _WARNED, _replicate_kv
+
+    _WARNED.discard((3, 2))  # once per process: forget an earlier test's warning
+    k = torch.arange(3.0).view(1, 1, 3, 1)
+    with caplog.at_level("WARNING", logger="ringft.ops.ulysses"):
+        for _ in range(3):
+            kr, vr = _replicate_kv(k, k, 2)
+        same, _ = _replicate_kv(torch.zeros(1, 1, 4, 1), k, 2)  # 2 divides 4: untouched, not logged
+    assert kr.flatten().tolist() == [0, 0, 1, 1, 2, 2] and torch.equal(kr, vr) and same.shape[2] == 4
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "each K/V head is sent 2 times (6 K/V heads, 3 per rank)" in logged[0]
