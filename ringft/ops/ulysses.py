@@ -92,9 +92,8 @@ def _document_problems(q: Tensor, cu_seqlens, causal: bool, sizes, ranks) -> lis
 
 
 def _problems(q, k, v, backend, cu_seqlens, causal, groups: HybridGroups) -> list[str]:
-    sizes, ranks = groups.sizes(), groups.ranks()
-    problems = [groups.problem()] if groups.problem() else []
-    problems += local_input_problems(q, k, v, backend)
+    sizes, ranks, layout = groups.sizes(), groups.ranks(), groups.problem()
+    problems = ([layout] if layout else []) + local_input_problems(q, k, v, backend)
     if q.dim() == 4:
         head = heads_problem(q.shape[2], sizes[0], sizes[2])
         problems += [head] if head else []
