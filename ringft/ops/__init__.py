@@ -5,25 +5,32 @@ Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp mer
 ``flash_backend``), ``comm`` (ring exchange), ``zigzag_blocks`` + ``zigzag`` (the operator),
 ``validate`` (errors on every rank), ``decode`` (sharded KV cache for inference), ``sharding``
 (the zigzag layout: shard / unshard / global positions), ``emulate`` (the ring's schedule in one
-process), ``parallel`` (the DP x CP process layout), ``spawn`` (N gloo processes with a timeout).
+process), ``parallel`` (the DP x CP process layout), ``spawn`` (N gloo processes with a timeout);
+2D context parallelism (Ulysses x ring): ``cp_sharding`` (its token layout), ``hybrid_layout`` (its
+process groups), ``alltoall`` (sequence <-> head shards), ``ulysses`` (the operator).
 """
 
 from ringft.ops.backends import BACKENDS, default_softmax_scale, get_backend
 from ringft.ops.decode import ShardedKVCache, sharded_cache_attention
 from ringft.ops.dtypes import DTYPES, accumulator_dtype, dtype_from_name, dtype_name
+from ringft.ops.hybrid_layout import HybridGroups, build_hybrid_layout
 from ringft.ops.merge import merge_attention_
+from ringft.ops.ulysses import ulysses_ring_attention
 from ringft.ops.zigzag import zigzag_ring_attention
 
 __all__ = [
     "BACKENDS",
     "DTYPES",
+    "HybridGroups",
     "ShardedKVCache",
     "accumulator_dtype",
+    "build_hybrid_layout",
     "default_softmax_scale",
     "dtype_from_name",
     "dtype_name",
     "get_backend",
     "merge_attention_",
     "sharded_cache_attention",
+    "ulysses_ring_attention",
     "zigzag_ring_attention",
 ]

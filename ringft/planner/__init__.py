@@ -57,7 +57,8 @@ Modules: :mod:`~ringft.planner.shapes` (model shapes, presets), :mod:`~ringft.pl
 (:class:`TrainingSetup`, :class:`MemoryPlan`), :mod:`~ringft.planner.formulas` (the terms),
 :mod:`~ringft.planner.plan` (:func:`plan_memory`), :mod:`~ringft.planner.search` (layouts,
 recommendation, longest sequence, fixes when nothing fits), :mod:`~ringft.planner.report` (text),
-:mod:`~ringft.planner.cli` (``ringft plan``).
+:mod:`~ringft.planner.cli` (``ringft plan``), :mod:`~ringft.planner.timing` (step-time model of the
+ring, Ulysses and hybrid layouts) and :mod:`~ringft.planner.timing_report` (``ringft plan --time``).
 """
 
 from ringft.planner.cli import plan_main
@@ -66,23 +67,32 @@ from ringft.planner.report import format_layouts, format_plan
 from ringft.planner.search import Fix, fixes_that_fit, max_seq_len_that_fits, plan_layouts, recommend
 from ringft.planner.setup import GIB, MemoryPlan, TrainingSetup
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, PRESETS, ModelShape, load_model_shape
+from ringft.planner.timing import Hardware, StepTime, layer_traffic, step_time
+from ringft.planner.timing_report import compare_layouts, explain, recommend_layout
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
     "GIB",
     "PRESETS",
     "Fix",
+    "Hardware",
     "MemoryPlan",
+    "StepTime",
     "ModelShape",
     "TrainingSetup",
     "build_plan",
+    "compare_layouts",
+    "explain",
     "fixes_that_fit",
     "format_layouts",
     "format_plan",
+    "layer_traffic",
     "load_model_shape",
     "max_seq_len_that_fits",
     "plan_layouts",
     "plan_main",
     "plan_memory",
     "recommend",
+    "recommend_layout",
+    "step_time",
 ]

@@ -14,6 +14,7 @@ from ringft.planner.report import format_layouts, format_plan
 from ringft.planner.search import Fix, fixes_that_fit, max_seq_len_that_fits, plan_layouts, recommend
 from ringft.planner.setup import ATTN_BACKENDS, GIB, PLANNED_DTYPES, divisors
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, PRESETS, load_model_shape
+from ringft.planner.timing_report import add_time_arguments, hardware_from_args, time_section
 
 __all__ = ["plan_main"]
 
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-gib", type=float, default=3.0, help="CUDA context, NCCL buffers, ...")
     p.add_argument("--explore-offload", action="store_true", help="also try every offload combination")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    add_time_arguments(p)
     return p
 
 
@@ -207,6 +209,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         print("ringft plan: error: " + "; ".join(problems))
         return 2
     try:
+        hardware_from_args(args)
         shape = load_model_shape(args.config_json or args.model)
         options = _options(args)
         layout = dict(cp_sizes=args.cp, **options)
@@ -218,8 +221,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 2
     best = recommend(plans)
     fixes = [] if best else fixes_that_fit(shape, args.seq_len, args.gpus, args.gpu_mem, **layout)
+    shown = best or min(plans, key=lambda p: p.total)
+    cps = args.cp or [shown.setup.cp_size]
+    times = time_section(shape, args.seq_len, args.gpus, cps, args) if args.time else None
     if args.json:
         data = {"plans": [p.as_dict() for p in plans], "recommended": best.as_dict() if best else None}
+        if times:
+            data["step_times"] = times[1]
         if not best:
             data["fixes"] = [
                 {"flags": _fix_flags(parser, f), "changes": f.changes, "plan": f.plan.as_dict()}
@@ -229,7 +237,6 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 0 if best else 1
     print(format_layouts(plans))
     print()
-    shown = best or min(plans, key=lambda p: p.total)
     print(("recommended layout:" if best else "nothing fits; the smallest plan:") + "\n")
     print(format_plan(shown))
     s = shown.setup
@@ -240,4 +247,6 @@ def plan_main(argv: list[str] | None = None) -> int:
     print(f"\nlongest sequence that fits this layout (multiples of {2 * s.cp_size * 1024}): {longest}")
     if not best:
         print("\n" + _explain_fixes(parser, args, fixes))
+    if times:
+        print("\n" + times[0])
     return 0 if best else 1
