@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+from ringft.ops.sharding import zigzag_length_problem, zigzag_shard, zigzag_unshard
 
 Tensor = torch.Tensor
 
@@ -36,7 +36,6 @@ __all__ = [
     "cp_position_ids",
     "cp_shard",
     "cp_unshard",
-    "seq_len_problem",
     "ulysses_size_problem",
 ]
 
@@ -54,19 +53,8 @@ def ulysses_size_problem(cp_size: int, ulysses_size: int) -> str | None:
     return None
 
 
-def seq_len_problem(seq_len: int, cp_size: int) -> str | None:
-    """The one divisibility rule of the CP layout, for any ``ulysses_size``: ``seq_len`` must be a
-    multiple of ``2 * cp_size``. ``None`` when it is."""
-    if seq_len % (2 * cp_size):
-        return (
-            f"sequence length {seq_len} is not divisible by 2 * cp_size = {2 * cp_size}: pad it to a "
-            f"multiple of {2 * cp_size} (RingDataCollator pads automatically)"
-        )
-    return None
-
-
 def _check(seq_len: int, cp_size: int, ulysses_size: int) -> None:
-    problem = ulysses_size_problem(cp_size, ulysses_size) or seq_len_problem(seq_len, cp_size)
+    problem = ulysses_size_problem(cp_size, ulysses_size) or zigzag_length_problem(seq_len, cp_size)
     if problem:
         raise ValueError(problem)
 

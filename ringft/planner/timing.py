@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ringft.ops.sharding import zigzag_length_problem
 from ringft.ops.ulysses import heads_problem, kv_replication
 from ringft.planner.shapes import ModelShape
 
@@ -241,8 +242,11 @@ def step_time(
     problem = heads_problem(shape.heads, u, cp)
     if problem:
         raise ValueError(problem)
-    if num_gpus % cp or seq_len % (2 * cp):
-        raise ValueError(f"{num_gpus} GPUs / seq_len {seq_len} do not split into CP groups of {u} x {r}")
+    if num_gpus % cp:
+        raise ValueError(f"{num_gpus} GPUs do not split into CP groups of {u} x {r} = {cp}")
+    problem = zigzag_length_problem(seq_len, cp)
+    if problem:
+        raise ValueError(problem)
     fwd_flops, bwd_flops = (f / cp for f in attention_flops(shape, seq_len, batch))
     peak = hw.attn_tflops * 1e12
     c_f, c_b = (t / r for t in attention_seconds(shape, seq_len, u, r, hw=hw, batch=batch))  # one step

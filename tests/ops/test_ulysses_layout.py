@@ -12,10 +12,9 @@ from ringft.ops.cp_sharding import (
     cp_position_ids,
     cp_shard,
     cp_unshard,
-    seq_len_problem,
     ulysses_size_problem,
 )
-from ringft.ops.sharding import zigzag_position_ids, zigzag_shard, zigzag_unshard
+from ringft.ops.sharding import zigzag_length_problem, zigzag_position_ids, zigzag_shard, zigzag_unshard
 from ringft.ops.ulysses import heads_problem, kv_replication, ulysses_sizes_that_work
 
 LAYOUTS = [(cp, u) for cp in (1, 2, 3, 4, 6, 8) for u in range(1, cp + 1) if cp % u == 0]
@@ -61,9 +60,9 @@ def test_ring_one_is_contiguous(cp):
 def test_divisibility_is_the_rings_rule():
     """S % (2 * cp) == 0 for any split: sufficient (every layout shards it) and the message says so."""
     for cp, u in LAYOUTS:
-        assert seq_len_problem(2 * cp, cp) is None
+        assert zigzag_length_problem(2 * cp, cp) is None
         cp_shard(torch.zeros(1, 2 * cp), cp - 1, cp, u)
-    assert "not divisible by 2 * cp_size = 8" in seq_len_problem(12, 4)
+    assert "not divisible by 2 * cp_size = 8" in zigzag_length_problem(12, 4)
     with pytest.raises(ValueError, match="pad it to a multiple of 8"):
         cp_shard(torch.zeros(1, 12), 0, 4, 2)
     with pytest.raises(ValueError, match=r"ulysses_size=3 does not divide cp_size=4.*\[1, 2, 4\]"):
