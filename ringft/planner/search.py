@@ -201,7 +201,11 @@ def fixes_that_fit(
     """
     shape = load_model_shape(model)
     opts = setup_options(options)
-    cps = [c for c in (cp_sizes or divisors(num_gpus)) if num_gpus % c == 0 and zigzag_length_problem(seq_len, c) is None]
+    cps = [
+        c
+        for c in (cp_sizes or divisors(num_gpus))
+        if num_gpus % c == 0 and zigzag_length_problem(seq_len, c) is None
+    ]
     found: list[Fix] = []
     for combo in itertools.product(*_fix_dimensions(opts)):
         changes = {key: value for key, value, _ in combo if key}
