@@ -157,10 +157,31 @@ def test_launch_world_size_from_the_environment(tmp_path, monkeypatch):
 # -- recipe validation against the launch, and the CLI's error path ------------------------------
 
 
-def test_valid_recipe_passes(tmp_path):
+def _optimizer_betas(raw: dict) -> set[tuple[float, float]]:
+    """The betas of every parameter group of the AdamW a one-process Trainer builds for ``raw``."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ringft.train.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw), progress=False)
+    try:
+        return {tuple(group["betas"]) for group in trainer.optimizer.param_groups}
+    finally:
+        trainer.lock.release()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_valid_recipe_passes(tmp_path, data_path):
+    """A valid recipe passes the launch checks, and its default AdamW betas (0.9, 0.95) (the long-
+    context recipes' setting, not torch's (0.9, 0.999)) are the trainer optimizer's; a recipe's
+    own betas replace them."""
     recipe = recipe_from_dict(_raw(tmp_path, parallel={"cp_size": 2}))
     validate(recipe, world_size=4)
     assert recipe.train.betas == (0.9, 0.95)
+    assert _optimizer_betas(tiny_recipe(tmp_path / "default", data_path)) == {(0.9, 0.95)}
+    own = tiny_recipe(tmp_path / "own", data_path, train={"betas": [0.8, 0.99]})
+    assert _optimizer_betas(own) == {(0.8, 0.99)}
 
 
 def test_unknown_key_names_the_key_and_the_valid_keys(tmp_path):
