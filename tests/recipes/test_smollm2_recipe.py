@@ -68,7 +68,7 @@ def test_stages_load_chain_and_grow(tmp_path):
 def test_every_referenced_file_exists():
     for path in sorted(FOLDER.iterdir()):
         text = path.read_text()
-        for ref in re.findall(r"(?:recipes|data_prep)/[\w./-]+\.(?:py|sh|yaml)", text):
+        for ref in re.findall(r"(?<![\w/])(?:recipes|data_prep)/[\w./-]+\.(?:py|sh|yaml)", text):
             assert (REPO / ref).is_file(), f"{path.name} refers to missing {ref}"
         assert "/" + "work/" not in text and "../" + "shared" not in text
     for script in ("run.sh", "measure.sh", "prepare_data.sh"):
