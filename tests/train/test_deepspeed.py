@@ -185,7 +185,7 @@ def _zero3_recipe(output_dir: Path, data: str, model: str) -> dict:
 
 @pytest.mark.numerics
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
-def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):  # noqa: F811
+def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):
     """ZeRO-3 with the shipped zero3_init_flag (dp=2 x cp=2, grad_accum 2, weight decay 0.5) == one
     process on the same global batch: losses, gradient norms and the exported weights' update; then
     --resume from the step-2 DeepSpeed checkpoint ends at the same weights."""
@@ -214,7 +214,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir): 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir):  # noqa: F811
+def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir):
     """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
     accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
     x grad_accum 2 == one process with micro 4."""
@@ -233,7 +233,7 @@ def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir): 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir):  # noqa: F811
+def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir):
     """LoRA (q/v) under ZeRO-3, dp=1 x cp=2: losses and the exported adapter's update == one process."""
     from safetensors.torch import load_file
 
