@@ -41,6 +41,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,30 @@ def _err_range(errs: list[float]) -> str:
     return f"{min(errs):+.1f} % .. {max(errs):+.1f} %" if errs else "-"
 
 
-def main(argv: list[str] | None = None) -> int:
+# ----------------------------------------------------------------------------------------------
+# the run: options, sweep, largest-sequence search, report
+
+
+@dataclass
+class Sweep:
+    """The measured sweep: table rows, plan errors (%), skipped steps, seconds per CP size."""
+
+    rows: list[list[str]] = field(default_factory=list)
+    errs: list[float] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    cp_seconds: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Search:
+    """The largest-sequence search: table rows and plan errors (%) of the confirmed sizes."""
+
+    rows: list[list[str]] = field(default_factory=list)
+    errs: list[float] = field(default_factory=list)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; ``seqs``, ``cps`` and ``names`` are the parsed lists."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", default="1024,2048,4096", help="global sequence lengths")
     p.add_argument("--cp", default="1,2")
@@ -239,43 +263,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds per group of measured processes")
     p.add_argument("--out", default=None, help="append the markdown section to this file")
     args = p.parse_args(argv)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned measured processes
-    seqs = [int(s) for s in args.seqs.split(",")]
-    cps = [int(c) for c in args.cp.split(",")]
-    names = [c.strip() for c in args.configs.split(",")]
-    unknown = [n for n in names if n not in CONFIGS]
+    args.seqs = [int(s) for s in args.seqs.split(",")]
+    args.cps = [int(c) for c in args.cp.split(",")]
+    args.names = [c.strip() for c in args.configs.split(",")]
+    unknown = [n for n in args.names if n not in CONFIGS]
     if unknown:
         p.error(f"unknown --configs {unknown}; known: {list(CONFIGS)}")
-    dtype = args.dtype
-    wbytes = weight_bytes(dtype)
-    t_start = time.time()
-    rows: list[list[str]] = []
-    errs: list[float] = []
-    skipped: list[str] = []
-    cp_seconds: dict[int, float] = {}
-    for cp in [] if args.no_sweep else cps:
+    return args
+
+
+def run_sweep(args: argparse.Namespace) -> Sweep:
+    """Measure every (option set, sequence) at every CP size, skipping plans above --max-plan-gib."""
+    out, dtype, wbytes = Sweep(), args.dtype, weight_bytes(args.dtype)
+    for cp in args.cps:
         jobs = []
-        for name in names:
-            for s in seqs:
+        for name in args.names:
+            for s in args.seqs:
                 total = wbytes + planned(s, cp, CONFIGS[name], dtype)
                 if args.max_plan_gib is not None and total > args.max_plan_gib * GIB:
-                    skipped.append(f"CP={cp} {name} S={s} (plan {total / GIB:.1f} GiB per process)")
+                    out.skipped.append(f"CP={cp} {name} S={s} (plan {total / GIB:.1f} GiB per process)")
                 else:
                     jobs.append((name, s))
         if not jobs:
             continue
         t0 = time.time()
         per_rank = _run(cp, jobs, dtype, timeout=args.timeout)
-        cp_seconds[cp] = time.time() - t0
-        print(f"CP={cp}: {cp_seconds[cp]:.0f} s", flush=True)
+        out.cp_seconds[cp] = time.time() - t0
+        print(f"CP={cp}: {out.cp_seconds[cp]:.0f} s", flush=True)
         for i, (name, seq) in enumerate(jobs):
             peak = max(r[i]["peak"] for r in per_rank)
             sec = max(r[i]["seconds"] for r in per_rank)
             plan = planned(seq, cp, CONFIGS[name], dtype)
             err = 100 * (plan - peak) / peak
-            errs.append(err)
+            out.errs.append(err)
             note = " (same RSS on CPU)" if name == "+offload" else ""
-            rows.append(
+            out.rows.append(
                 [
                     str(cp),
                     name + note,
@@ -287,53 +309,66 @@ def main(argv: list[str] | None = None) -> int:
                     f"{seq / sec:.0f}",
                 ]
             )
-            print(rows[-1], flush=True)
-    cap = int(args.cap_gib * GIB)
-    cap_rows: list[list[str]] = []
-    cap_errs: list[float] = []
-    if not args.no_search:
-        confirm: dict[int, list[tuple[str, int]]] = {cp: [] for cp in cps}
-        found: dict[tuple[int, str], int] = {}
-        for cp in cps:
-            for name in names:
-                local = max_local_seq(cp, CONFIGS[name], cap, dtype)
-                found[(cp, name)] = local
-                # +offload is +ckpt on CPU (the same RSS): not confirmed separately
-                if 0 < local and local * cp <= args.confirm_max_seq and name != "+offload":
-                    confirm[cp].append((name, local * cp))
-        measured_cap: dict[tuple[int, str], int] = {}
-        for cp in cps:
-            if confirm[cp]:
-                t0 = time.time()
-                per_rank = _run(cp, confirm[cp], dtype, timeout=args.timeout)
-                print(f"search confirmations CP={cp}: {time.time() - t0:.0f} s", flush=True)
-                for i, (name, _seq) in enumerate(confirm[cp]):
-                    measured_cap[(cp, name)] = max(r[i]["peak"] for r in per_rank)
-        for cp in cps:
-            for name in names:
-                local = found[(cp, name)]
-                m = measured_cap.get((cp, name))
-                plan = wbytes + planned(local * cp, cp, CONFIGS[name], dtype) if local else 0
-                meas = f"{(wbytes + m) / MIB:.0f}" if m is not None else "not run"
-                fits = ("yes" if wbytes + m <= cap else "NO") if m is not None else "-"
-                if m is not None:
-                    cap_errs.append(100 * (plan - wbytes - m) / m)
-                shown = str(local) if local else "< 1024"
-                cap_rows.append(
-                    [
-                        str(cp),
-                        name,
-                        shown,
-                        str(local * cp) if local else "-",
-                        f"{plan / MIB:.0f}" if local else "-",
-                        meas,
-                        fits,
-                    ]
-                )
-    total_s = time.time() - t_start
-    cmd_args = sys.argv[1:] if argv is None else argv
-    sweep_s = ", ".join(f"CP={c} sweep {s:.0f} s" for c, s in cp_seconds.items())
-    lines = [
+            print(out.rows[-1], flush=True)
+    return out
+
+
+def _confirm_search(
+    args: argparse.Namespace, found: dict[tuple[int, str], int]
+) -> dict[tuple[int, str], int]:
+    """Measure the found sizes up to --confirm-max-seq: the peak rise per (CP, option set)."""
+    confirm: dict[int, list[tuple[str, int]]] = {cp: [] for cp in args.cps}
+    for (cp, name), local in found.items():
+        # +offload is +ckpt on CPU (the same RSS): not confirmed separately
+        if 0 < local and local * cp <= args.confirm_max_seq and name != "+offload":
+            confirm[cp].append((name, local * cp))
+    measured: dict[tuple[int, str], int] = {}
+    for cp in args.cps:
+        if confirm[cp]:
+            t0 = time.time()
+            per_rank = _run(cp, confirm[cp], args.dtype, timeout=args.timeout)
+            print(f"search confirmations CP={cp}: {time.time() - t0:.0f} s", flush=True)
+            for i, (name, _seq) in enumerate(confirm[cp]):
+                measured[(cp, name)] = max(r[i]["peak"] for r in per_rank)
+    return measured
+
+
+def run_search(args: argparse.Namespace) -> Search:
+    """Largest sequence per rank under --cap-gib (planner), confirmed by measurement where short."""
+    out, dtype, wbytes, cap = Search(), args.dtype, weight_bytes(args.dtype), int(args.cap_gib * GIB)
+    found = {
+        (cp, name): max_local_seq(cp, CONFIGS[name], cap, dtype) for cp in args.cps for name in args.names
+    }
+    measured = _confirm_search(args, found)
+    for cp in args.cps:
+        for name in args.names:
+            local = found[(cp, name)]
+            m = measured.get((cp, name))
+            plan = wbytes + planned(local * cp, cp, CONFIGS[name], dtype) if local else 0
+            meas = f"{(wbytes + m) / MIB:.0f}" if m is not None else "not run"
+            fits = ("yes" if wbytes + m <= cap else "NO") if m is not None else "-"
+            if m is not None:
+                out.errs.append(100 * (plan - wbytes - m) / m)
+            shown = str(local) if local else "< 1024"
+            out.rows.append(
+                [
+                    str(cp),
+                    name,
+                    shown,
+                    str(local * cp) if local else "-",
+                    f"{plan / MIB:.0f}" if local else "-",
+                    meas,
+                    fits,
+                ]
+            )
+    return out
+
+
+def _report_header(args: argparse.Namespace, cmd_args: list[str], total_s: float, sweep: Sweep) -> list[str]:
+    """The section title, command, machine, model and method lines."""
+    dtype, wbytes = args.dtype, weight_bytes(args.dtype)
+    sweep_s = ", ".join(f"CP={c} sweep {s:.0f} s" for c, s in sweep.cp_seconds.items())
+    return [
         "",
         f"## Training memory on CPU, {dtype} (bench_memory.py)",
         "",
@@ -358,41 +393,63 @@ def main(argv: list[str] | None = None) -> int:
         "tokens / wall time of the step (slowest rank).",
         "",
     ]
-    if not args.no_sweep:
-        lines += _table(
-            [
-                "CP",
-                "options (cumulative)",
-                "S global",
-                "S/rank",
-                "peak MiB",
-                "plan MiB",
-                "plan err",
-                "tokens/s",
-            ],
-            rows,
-        )
-        lines += ["", f"Plan error range ({dtype} sweep): {_err_range(errs)}."]
-        if skipped:
-            lines += [
-                "",
-                f"Skipped (planned weights + grads + activations above --max-plan-gib {args.max_plan_gib:g} "
-                "per process): " + "; ".join(skipped) + ".",
-            ]
-    if not args.no_search:
+
+
+def _report_sweep(args: argparse.Namespace, sweep: Sweep) -> list[str]:
+    lines = _table(
+        [
+            "CP",
+            "options (cumulative)",
+            "S global",
+            "S/rank",
+            "peak MiB",
+            "plan MiB",
+            "plan err",
+            "tokens/s",
+        ],
+        sweep.rows,
+    )
+    lines += ["", f"Plan error range ({args.dtype} sweep): {_err_range(sweep.errs)}."]
+    if sweep.skipped:
         lines += [
             "",
-            f"Largest sequence per rank that fits a {args.cap_gib:g} GiB cap on {dtype} weights + grads + "
-            "activations (planner search over multiples of 1K; confirmed by one measured step when the "
-            f"global size is <= {args.confirm_max_seq}, longer steps were not run to keep the run short; "
-            f"measured = {wbytes / MIB:.0f} MiB weights + grads + the measured peak rise):",
-            "",
+            f"Skipped (planned weights + grads + activations above --max-plan-gib {args.max_plan_gib:g} "
+            "per process): " + "; ".join(sweep.skipped) + ".",
         ]
-        lines += _table(
-            ["CP", "options", "max S/rank (plan)", "S global", "planned MiB", "measured MiB", "fits"],
-            cap_rows,
-        )
-        lines += ["", f"Plan error range (confirmed {dtype} sizes, activations): {_err_range(cap_errs)}."]
+    return lines
+
+
+def _report_search(args: argparse.Namespace, search: Search) -> list[str]:
+    dtype, wbytes = args.dtype, weight_bytes(args.dtype)
+    lines = [
+        "",
+        f"Largest sequence per rank that fits a {args.cap_gib:g} GiB cap on {dtype} weights + grads + "
+        "activations (planner search over multiples of 1K; confirmed by one measured step when the "
+        f"global size is <= {args.confirm_max_seq}, longer steps were not run to keep the run short; "
+        f"measured = {wbytes / MIB:.0f} MiB weights + grads + the measured peak rise):",
+        "",
+    ]
+    lines += _table(
+        ["CP", "options", "max S/rank (plan)", "S global", "planned MiB", "measured MiB", "fits"],
+        search.rows,
+    )
+    lines += ["", f"Plan error range (confirmed {dtype} sizes, activations): {_err_range(search.errs)}."]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep and the search (as selected), print the Markdown section, append it to --out."""
+    args = parse_args(argv)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned measured processes
+    t_start = time.time()
+    sweep = Sweep() if args.no_sweep else run_sweep(args)
+    search = Search() if args.no_search else run_search(args)
+    cmd_args = sys.argv[1:] if argv is None else argv
+    lines = _report_header(args, cmd_args, time.time() - t_start, sweep)
+    if not args.no_sweep:
+        lines += _report_sweep(args, sweep)
+    if not args.no_search:
+        lines += _report_search(args, search)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

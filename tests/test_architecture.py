@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ringft"
+TESTS = Path(__file__).resolve().parent
+TEST_FOLDERS_BEYOND_THE_PACKAGE = {"recipes"}  # tests/recipes: the shipped recipes/ folder
 
 LAYERS: dict[str, int] = {
     "ringft.ops": 0,  # math + communication: backends, merge, zigzag layout and schedule, emulation
@@ -160,3 +162,47 @@ def test_public_functions_have_docstrings():
                 if ast.get_docstring(node) is None:
                     missing.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
     assert not missing, "public functions/classes without a docstring:\n" + "\n".join(missing)
+
+
+def test_test_folders_mirror_the_package():
+    """tests/ has a folder per layer folder of ``ringft/`` (and one for the shipped recipes/)."""
+    layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == layers | TEST_FOLDERS_BEYOND_THE_PACKAGE, sorted(
+        folders ^ (layers | TEST_FOLDERS_BEYOND_THE_PACKAGE)
+    )
+
+
+def _test_module_name(path: Path) -> str:
+    parts = list(path.relative_to(TESTS.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_test_module(module: str) -> bool:
+    """``tests.x.test_y`` (a module of tests that pytest collects), as opposed to a helper."""
+    parts = module.split(".")
+    return parts[0] == "tests" and parts[-1].startswith("test_")
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in plain modules (tests/conftest.py lists them): a test module imported by
+    another runs its module-level code twice and hides what is shared. Lazy imports count too."""
+    problems = []
+    for path in sorted(TESTS.rglob("*.py")):
+        me = _test_module_name(path)
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")
+                    base = ".".join(up[: len(up) - (node.level - 1)] + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if _is_test_module(target) and target != me:
+                    problems.append(f"{path.relative_to(TESTS.parent)}:{node.lineno} imports {target}")
+    assert not problems, "test modules importing test modules (move the helper out):\n" + "\n".join(problems)

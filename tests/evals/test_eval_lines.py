@@ -12,29 +12,6 @@ import torch
 from ringft.ops.spawn import run_distributed
 
 
-def save_tiny_model(path: Path, vocab_size: int | None = None, max_positions: int = 1024) -> None:
-    """A 1-layer random LLaMA with the demo tokenizer, saved with save_pretrained (a few 100 KB)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
-
-    tok = load_demo_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab_size or len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=max_positions,
-        )
-    )
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-
-
 def eval_worker(rank: int, world: int, model: str, out: str, cp: int) -> int:
     from ringft.evals.lines import main
 
@@ -96,9 +73,8 @@ LOGIT_TERMS = 208 + 64
 
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-def test_eval_lines_cp_matches_one_process_and_resumes(tmp_path):
-    model = tmp_path / "model"
-    save_tiny_model(model)
+def test_eval_lines_cp_matches_one_process_and_resumes(tmp_path, saved_tiny_model):
+    model = saved_tiny_model
     one, ring, dp = tmp_path / "one", tmp_path / "ring", tmp_path / "dp"
     assert run_distributed(eval_worker, 1, str(model), str(one), 1, timeout=120) == [0]
     assert run_distributed(two_process_runs, 2, str(model), str(tmp_path), timeout=200) == [0, 0]
@@ -127,15 +103,14 @@ def test_eval_lines_cp_matches_one_process_and_resumes(tmp_path):
     assert [r["generated"] for r in _results(ring)] == [r["generated"] for r in a]
 
 
-def test_eval_loads_a_lora_adapter_with_its_saved_base_config(tmp_path):
+def test_eval_loads_a_lora_adapter_with_its_saved_base_config(tmp_path, saved_tiny_model):
     """An adapter folder (as the trainer exports it: adapter + the run's base config) loads merged."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from ringft.evals.model import load_eval_model
 
-    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
-    save_tiny_model(base_dir)
+    base_dir, adapter_dir = saved_tiny_model, tmp_path / "adapter"
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     peft_model = get_peft_model(
         base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ringft.ops.spawn import run_distributed
-from tests.evals.test_eval_lines import save_tiny_model
+from tests.tiny_models import save_tiny_model
 
 BASE = ["--dtype", "fp32", "--backend", "torch", "--no-progress", "--prompt-style", "ringft"]
 SMALL = ["--lengths", "144", "--depths", "0,1", "--cases", "1", "--max-new-tokens", "3"]
@@ -33,13 +33,6 @@ def run_main(argv: list[str]) -> tuple[int, str]:
     return code, "".join(line + "\n" for line in ours)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_model(path)
-    return path
-
-
 def _no_model_loads(monkeypatch) -> None:
     import transformers
 
@@ -49,7 +42,7 @@ def _no_model_loads(monkeypatch) -> None:
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
-def test_bad_inputs_one_line_before_any_model_loads(tiny, tmp_path, monkeypatch):
+def test_bad_inputs_one_line_before_any_model_loads(saved_tiny_model, tmp_path, monkeypatch):
     from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
 
     VOCAB = len(load_demo_tokenizer())  # noqa: N806
@@ -64,7 +57,7 @@ def test_bad_inputs_one_line_before_any_model_loads(tiny, tmp_path, monkeypatch)
     GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=VOCAB).save_pretrained(no_rope)
     bad_cases = tmp_path / "bad.jsonl"
     bad_cases.write_text('{"prompt": "x"}\n\n{not json\n')
-    model = ["--model", str(tiny)]
+    model = ["--model", str(saved_tiny_model)]
     cases = {
         "--cases 0: give at least 1 case": [*model, "--cases", "0"],
         "--lengths '': give at least one prompt length": [*model, "--lengths", ""],
@@ -122,13 +115,13 @@ def test_bad_inputs_one_line_before_any_model_loads(tiny, tmp_path, monkeypatch)
     assert code == 2 and f"{good} line 4:" in err, err
 
 
-def test_rope_theta_is_set_before_loading(tiny):
+def test_rope_theta_is_set_before_loading(saved_tiny_model):
     """--rope-theta builds the rotary frequencies from the new theta (not: load, then exit)."""
     import torch
 
     from ringft.evals.model import load_eval_model
 
-    model = load_eval_model(str(tiny), torch.float32, torch.device("cpu"), rope_theta=12345.0)
+    model = load_eval_model(str(saved_tiny_model), torch.float32, torch.device("cpu"), rope_theta=12345.0)
     assert model.config.rope_parameters["rope_theta"] == 12345.0
     inv_freq = model.model.rotary_emb.inv_freq
     dim = model.config.hidden_size // model.config.num_attention_heads
@@ -237,10 +230,10 @@ def one_process_scenarios(rank: int, world: int, model: str, other: str, folder:
 
 
 @pytest.mark.timeout(240)
-def test_results_keyed_by_settings_and_damaged_lines(tiny, tmp_path):
+def test_results_keyed_by_settings_and_damaged_lines(saved_tiny_model, tmp_path):
     other = tmp_path / "other"
     save_tiny_model(other)
-    args = (str(tiny), str(other), str(tmp_path / "out"))
+    args = (str(saved_tiny_model), str(other), str(tmp_path / "out"))
     done = run_distributed(one_process_scenarios, 1, *args, timeout=200)[0]
     assert done == ["resume", "rescore", "settings", "partial line", "bad line", "disk full"]
 
@@ -287,12 +280,14 @@ def failing_writer(
 
 
 @pytest.mark.timeout(200)
-def test_io_error_on_one_rank_ends_every_rank(tiny, tmp_path):
+def test_io_error_on_one_rank_ends_every_rank(saved_tiny_model, tmp_path):
     """Old code: the failing rank's ``finally: dist.barrier()`` waited for ranks that were already in
     the next case's ring collective (or in their own next case), so the run hung."""
     short = tmp_path / "short"
     save_tiny_model(short, max_positions=128)
-    got = run_distributed(failing_writer, 2, str(tiny), str(tmp_path / "out"), str(short), timeout=150)
+    got = run_distributed(
+        failing_writer, 2, str(saved_tiny_model), str(tmp_path / "out"), str(short), timeout=150
+    )
     (code0, err0, _), (code1, err1, _) = got[0][2], got[1][2]
     assert code0 == code1 == 0 and not err1  # the position warning: once, on the main process
     warning = re.fullmatch(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.data.packer import pack_rows
 from ringft.ops.spawn import run_distributed
-from tests.model.test_patch import VOCAB, tiny_model
+from tests.tiny_models import VOCAB, tiny_model
 
 SEQ = 48  # packed row length: a multiple of 2N for N = 1..4 (chunks of 24, 12, 8, 6)
 EPS32 = torch.finfo(torch.float32).eps

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ringft.ops.spawn import run_distributed
-from tests.model.test_patch import VOCAB, tiny_model
 from tests.oracle import full_attention_fp64
+from tests.tiny_models import VOCAB, tiny_model
 
 
 def inference_worker(rank: int, world: int) -> list[dict]:

@@ -23,7 +23,7 @@ from ringft import RingDataCollator, apply_ring_attention
 from ringft.loss import CausalLMLoss
 from ringft.model.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, is_tiled_mlp, mlp_modules
 from ringft.ops.spawn import run_distributed
-from tests.model.test_patch import VOCAB, ragged_examples, tiny_model
+from tests.tiny_models import VOCAB, ragged_examples, tiny_model
 
 EPS32 = torch.finfo(torch.float32).eps
 TOKENS = 3 * 52  # the collated batch: 3 ragged examples padded to <= 52 tokens (pads included)

@@ -16,41 +16,7 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention, zigzag_gather
 from ringft.ops.spawn import run_distributed
-
-VOCAB = 96
-
-
-def tiny_model(kind: str, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        attn_implementation="eager",
-    )
-    common.update(overrides)
-    torch.manual_seed(0)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common))
-    common.setdefault("sliding_window", None)
-    return MistralForCausalLM(MistralConfig(**common))
-
-
-def ragged_examples(seed: int, lengths=(37, 50, 29)):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(1, VOCAB, (n,), generator=gen).tolist()
-        labels = list(ids)
-        if i == 1:
-            labels[: n // 2] = [-100] * (n // 2)  # a prompt that is not trained on
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+from tests.tiny_models import VOCAB, ragged_examples, tiny_model
 
 
 def _compare(model, ref, batch, full, rank, world, tag):

@@ -33,6 +33,7 @@ from ringft.data.line_retrieval.training import (
 )
 from ringft.evals import compare
 from ringft.train.recipe import RecipeError, load_recipe, recipe_from_dict
+from tests.recipes.shell_stubs import check_command, launched, parsed_by, run_script, scratch_root
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = REPO_ROOT / "recipes"
@@ -166,13 +167,40 @@ def test_shipped_base_matches_its_recipe():
     assert weights.stat().st_size < 8 * 2**20, "small enough to ship in the repository"
 
 
-def test_demo_script_evaluates_before_and_after_on_the_ring():
-    script = DEMO_SCRIPT.read_text()
-    assert "--prompt-style ringft" in script  # the wording the base model was trained on
-    calls = [line for line in script.splitlines() if line.startswith("eval_lines ")]
-    assert [c.split()[1] for c in calls] == ['"$BASE"', '"$OUT/extend/final"']  # before and after
-    assert "train recipes/demo/extend.yaml" in script and "cpu_2proc.yaml" in script
-    assert "ringft.evals.compare" in script and "--figure" in script
+def test_demo_script_evaluates_before_and_after_on_the_ring(tmp_path):
+    """demo_cpu.sh run for real with python / accelerate / pip recorded (tests/recipes/shell_stubs.py):
+    it installs, evaluates the base model, extends it on the 2-process ring (CP = 2, the user's
+    overrides passed on), evaluates the extension's export on the same grid, then compares the
+    two; every command is one its program accepts. Without the base model: one line, exit 2,
+    nothing run."""
+    from ringft.evals.lines import main as eval_main
+
+    root = scratch_root(tmp_path)
+    run = run_script(root, DEMO_SCRIPT.name, "--train.max_steps", "50")
+    assert run.returncode == 0, run.stderr[-3000:]
+    checked = [check_command(c, tmp_path) for c in run.commands]
+    evals = ["ringft eval-lines", "ringft train", "ringft eval-lines", "ringft.evals.compare"]
+    assert checked == ["venv", "pip", "pip", "pip", *evals]
+    (before, extend, after), compared = [launched(c) for c in run.commands[4:7]], run.commands[7]
+    configs = {launch.config_file for launch, _ in (before, extend, after)}
+    assert configs == {"recipes/accelerate/cpu_2proc.yaml"}
+    assert extend[1][1:4] == ["train", str(EXTEND_RECIPE.relative_to(REPO_ROOT)), "--checkpoint.output_dir"]
+    out = extend[1][4]
+    assert extend[1][5:] == ["--train.max_steps", "50"]  # the script's arguments reach the recipe
+    grids = [parsed_by(eval_main, args[2:]) for _, args in (before, after)]
+    assert [g.model for g in grids] == [BASE_DIR.relative_to(REPO_ROOT).as_posix(), f"{out}/final"]
+    assert all(g.prompt_style == "ringft" for g in grids)  # the wording the base model was trained on
+    assert len({(g.lengths, g.depths, g.cases) for g in grids}) == 1
+    lengths = [int(x) for x in grids[0].lengths.split(",")]  # L and 4L: inside each model's length
+    extension = load_recipe(EXTEND_RECIPE, world_size=2)
+    assert max(lengths) <= extension.data.seq_len and min(lengths) <= extension.data.seq_len // 4
+    runs = compare.parse_args(compared[compared.index("ringft.evals.compare") + 1 :])
+    assert runs.runs == [g.output for g in grids] and runs.figure
+
+    (root / "ringft" / "assets" / "demo_base" / "model.safetensors").unlink()
+    missing = run_script(root, DEMO_SCRIPT.name)
+    assert missing.returncode == 2 and missing.commands == []
+    assert "demo_base is missing" in missing.stderr and "train_demo_base.py" in missing.stderr
 
 
 # -- multi-question training records ---------------------------------------------------------------

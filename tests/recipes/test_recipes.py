@@ -6,8 +6,11 @@ empty temporary folder, the only thing recipe validation looks at on disk).
 
 from __future__ import annotations
 
+import configparser
 import fnmatch
 import os
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.recipes.shell_stubs import check_command, run_script, scratch_root
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # allow running without the package installed
@@ -93,10 +98,16 @@ def tokens_per_step(recipe, world: int) -> int:
 
 
 def test_recipes_found():
+    """The recipes the tests below single out exist, each recipe file says how it is launched
+    (exactly one LAUNCH entry), and no LAUNCH entry is left over from a removed recipe."""
     names = {rel(p) for p in RECIPE_FILES}
     for stages in STAGED.values():
         assert set(stages) <= names
     assert LORA in names and "demo_cpu.yaml" in names
+    for name in names:
+        launch_configs(name)  # exactly one entry
+    stale = [pattern for pattern, _ in LAUNCH if not fnmatch.filter(names, pattern)]
+    assert not stale, f"LAUNCH entries matching no recipe: {stale}"
 
 
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=rel)
@@ -247,7 +258,23 @@ def launch_arg_names() -> set[str]:
 
 
 def test_every_launch_config_is_known():
+    """Each launch config is one EXPECTED describes (test_launch_config checks it against that) and
+    the launch of some shipped recipe (LAUNCH); every launch config a file under recipes/ names
+    exists and loads with accelerate's own loader."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
     assert {p.name for p in ACCEL_FILES} == set(EXPECTED)
+    used = {config for _, configs in LAUNCH for config in configs}
+    assert used == set(EXPECTED), f"launched by no recipe: {sorted(set(EXPECTED) - used)}"
+    named = {
+        name
+        for path in RECIPES.rglob("*")
+        if path.is_file()
+        for name in re.findall(r"recipes/accelerate/([\w.-]+\.yaml)", path.read_text())
+    }
+    assert named and named <= set(EXPECTED), f"named but not shipped: {sorted(named - set(EXPECTED))}"
+    for name in sorted(named):
+        ClusterConfig.from_yaml_file(str(ACCEL / name))
 
 
 @pytest.mark.parametrize("path", ACCEL_FILES, ids=lambda p: p.name)
@@ -312,9 +339,55 @@ def test_wrapper_is_an_executable_strict_script(name):
         assert (REPO_ROOT / ref).is_file(), f"{name} refers to missing {ref}"
 
 
-@pytest.mark.parametrize("path", SHELL_FILES, ids=rel)
-def test_shell_syntax(path):
-    subprocess.run(["bash", "-n", str(path)], check=True)
+# Every shell script under recipes/ is run by a test: for real with python / accelerate / pip
+# recorded, or in its DRY_RUN mode (tests/recipes/shell_stubs.py); the test checks each command it
+# issues against the program it calls (the file exists, the called parser accepts the arguments).
+SHELL_RUN_BY = {
+    "_stages.sh": "test_recipes.py::test_wrapper_runs_stages_in_order",  # sourced by the wrappers
+    "demo_cpu.sh": "test_demo.py::test_demo_script_evaluates_before_and_after_on_the_ring",
+    "setup_cpu_env.sh": "test_recipes.py::test_cpu_setup_installs_the_pinned_torch_first",
+    "llama3_8b_512k/run.sh": "test_recipes.py::test_wrapper_runs_stages_in_order",
+    "llama3_8b_512k/run_lora.sh": "test_recipes.py::test_lora_wrapper_needs_stage3",
+    "mistral_7b_512k/run.sh": "test_recipes.py::test_wrapper_runs_stages_in_order",
+    "smollm2_32k/run.sh": "test_smollm2_recipe.py::test_wrappers_launch_the_stages_and_the_measurement",
+    "smollm2_32k/measure.sh": "test_smollm2_recipe.py::test_wrappers_launch_the_stages_and_the_measurement",
+    "smollm2_32k/prepare_data.sh": "test_smollm2_recipe.py::test_prepare_data_builds_what_the_stages_read",
+}
+
+
+def test_every_shell_script_runs_in_a_test():
+    """Each script is run (not only parsed): listed in SHELL_RUN_BY with a test that names it."""
+    assert set(SHELL_RUN_BY) == {rel(p) for p in SHELL_FILES}, "add the new script to SHELL_RUN_BY"
+    here = Path(__file__).parent
+    for script, test in SHELL_RUN_BY.items():
+        module, name = test.split("::")
+        source = (here / module).read_text()
+        assert f"\ndef {name}(" in source, f"{script}: no test {test}"
+        body = source.split(f"\ndef {name}(")[1].split("\ndef ")[0]
+        runs = "run.sh" if script == "_stages.sh" else Path(script).name  # _stages.sh: through run.sh
+        assert runs in body, f"{test} does not run {script}"
+
+
+def test_cpu_setup_installs_the_pinned_torch_first(tmp_path):
+    """setup_cpu_env.sh installs the CPU torch pin (one that setup.cfg's torch requirement admits)
+    before the package, so pip never resolves an unpinned (multi-GB CUDA) torch; a second run with
+    nothing changed installs nothing."""
+    from packaging.requirements import Requirement
+
+    root = scratch_root(tmp_path)
+    installs = [
+        c[c.index("install") + 1 :] for c in run_script(root, "setup_cpu_env.sh").commands if "pip" in c
+    ]
+    assert len(installs) == 3 and installs[0] == ["-q", "--upgrade", "pip"]
+    assert installs[2] == ["-q", "-e", f"{root}[dev]"]
+    (pin,) = [Requirement(a) for a in installs[1] if a.startswith("torch")]
+    assert str(pin.specifier).startswith("==") and pin.name == "torch"
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    needed = [Requirement(line) for line in setup["options"]["install_requires"].split("\n") if line]
+    (wanted,) = [r for r in needed if r.name == "torch"]
+    assert wanted.specifier.contains(str(pin.specifier)[2:])
+    assert run_script(root, "setup_cpu_env.sh").commands == []
 
 
 def _copy_recipes(tmp_path: Path) -> Path:
@@ -341,6 +414,17 @@ def _run_wrapper(root: Path, name: str, *args: str, dry: bool = True, **env: str
     )
 
 
+def _check_printed(line: str, tmp_path: Path, keep_overrides: bool = True) -> None:
+    """A DRY_RUN line (``ACCELERATE=echo``) as the launch it prints: the config exists, accelerate
+    knows every flag and the stage's recipe loads (with the test's own overrides, or without)."""
+    command = ["accelerate", *shlex.split(line)[1:]]
+    if not keep_overrides:
+        command = command[: command.index("--resume") + 1]
+    data = tmp_path / "packed-data"
+    data.mkdir(exist_ok=True)
+    assert check_command(command, data) == "ringft train"
+
+
 @pytest.mark.parametrize(
     "model_dir,config",
     [("llama3_8b_512k", "deepspeed_zero3.yaml"), ("mistral_7b_512k", "deepspeed_zero3.yaml")],
@@ -354,6 +438,7 @@ def test_wrapper_runs_stages_in_order(model_dir, config, tmp_path):
     for line, stage in zip(lines, STAGED[model_dir]):
         assert f"launch --config_file recipes/accelerate/{config} " in line
         assert line.rstrip().endswith(f"-m ringft train recipes/{stage} --resume --train.max_steps 3")
+        _check_printed(line, tmp_path, keep_overrides=False)  # (max_steps 3 is below the warmup)
 
 
 def test_wrapper_stage_selection_skip_and_fsdp(tmp_path):
@@ -368,6 +453,7 @@ def test_wrapper_stage_selection_skip_and_fsdp(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and "recipes/mistral_7b_512k/stage3_256k.yaml" in lines[0]
     assert "--fsdp_transformer_layer_cls_to_wrap MistralDecoderLayer" in lines[0]
+    _check_printed(lines[0], tmp_path)  # accelerate knows the FSDP flag, the stage loads
     assert "skipping" in out.stderr
     bad = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="7")
     assert bad.returncode != 0 and "STAGES" in bad.stderr
@@ -382,3 +468,4 @@ def test_lora_wrapper_needs_stage3(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "--config_file recipes/accelerate/1node_8gpu.yaml" in out.stdout
     assert out.stdout.rstrip().endswith("--resume --model.name_or_path meta-llama/Meta-Llama-3-8B")
+    _check_printed(out.stdout, tmp_path)

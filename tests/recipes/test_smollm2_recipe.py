@@ -21,6 +21,7 @@ import yaml
 
 from ringft.ops.spawn import run_distributed
 from ringft.train.recipe import RecipeError, load_recipe, validate
+from tests.recipes.shell_stubs import check_command, run_script, scratch_root, script_namespace
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDER = REPO / "recipes" / "smollm2_32k"
@@ -71,9 +72,40 @@ def test_every_referenced_file_exists():
         for ref in re.findall(r"(?<![\w/])(?:tests/)?(?:recipes|data_prep)/[\w./-]+\.(?:py|sh|yaml)", text):
             assert (REPO / ref).is_file(), f"{path.name} refers to missing {ref}"
         assert "/" + "work/" not in text and "../" + "shared" not in text
-    for script in ("run.sh", "measure.sh", "prepare_data.sh"):
+    for script in ("run.sh", "measure.sh", "prepare_data.sh"):  # (each is run: test_recipes.py)
         assert os.access(FOLDER / script, os.X_OK)
-        subprocess.run(["bash", "-n", str(FOLDER / script)], check=True)
+
+
+def test_prepare_data_builds_what_the_stages_read(tmp_path):
+    """prepare_data.sh run with its Python calls recorded (tests/recipes/shell_stubs.py): it fetches
+    the model into stage 1's model.name_or_path; per stage it packs the corpus and makes line
+    records at that stage's seq_len with that model's tokenizer and mixes them into the stage's
+    data.path. Run again, it keeps the folders that exist and only re-checks the model."""
+    root = scratch_root(tmp_path)
+    run = run_script(root, "smollm2_32k/prepare_data.sh", SOURCE="docs.jsonl", RECORDS="7")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (fetch, model), *steps = [script_namespace(command) for command in run.commands]
+    assert fetch == "data_prep/get_smollm2.py" and str(model.output) == BEFORE_MODEL
+    assert len(steps) == 3 * len(STAGES)
+    made = []
+    for i, stage in enumerate(STAGES):
+        (pack, packed), (make, lines), (mix, mixed) = steps[3 * i : 3 * i + 3]
+        assert (pack, make, mix) == (
+            "data_prep/pack.py",
+            "data_prep/make_synthetic.py",
+            "recipes/smollm2_32k/mix_data.py",
+        )
+        raw = yaml.safe_load(stage.read_text())
+        assert packed.seq_len == lines.seq_len == raw["data"]["seq_len"]
+        assert packed.tokenizer == lines.tokenizer == BEFORE_MODEL and packed.source == "docs.jsonl"
+        assert lines.num_examples == 7 and lines.min_len < lines.seq_len
+        assert (str(mixed.packed), str(mixed.lines)) == (str(packed.output), str(lines.output))
+        assert str(mixed.output) == raw["data"]["path"]
+        made += [packed.output, lines.output, mixed.output]
+    for folder in made:
+        (root / folder).mkdir(parents=True)
+    again = run_script(root, "smollm2_32k/prepare_data.sh", SOURCE="docs.jsonl")
+    assert again.returncode == 0 and [c[1] for c in again.commands] == ["data_prep/get_smollm2.py"]
 
 
 def _dry_run(script: str, *args: str, **env: str) -> list[list[str]]:
@@ -91,13 +123,17 @@ def _dry_run(script: str, *args: str, **env: str) -> list[list[str]]:
     return [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
 
 
-def test_wrappers_launch_the_stages_and_the_measurement():
+def test_wrappers_launch_the_stages_and_the_measurement(tmp_path):
+    """run.sh and measure.sh in DRY_RUN mode: the commands they print, and each one checked against
+    what it calls (tests/recipes/shell_stubs.py: the launch config exists, accelerate knows the
+    flags, the stage's recipe loads, eval-lines / compare accept their arguments)."""
     stages = _dry_run("run.sh", "--train.max_steps", "3")
     assert [c[c.index("train") + 1] for c in stages] == [str(p.relative_to(REPO)) for p in STAGES]
     for command in stages:
         assert command[:4] == ["accelerate", "launch", "--config_file", "recipes/accelerate/1node_8gpu.yaml"]
         assert command[4:6] == ["--num_processes", "1"]
         assert command[-3:] == ["--resume", "--train.max_steps", "3"]
+        assert check_command(command[:-2], tmp_path) == "ringft train"  # (max_steps 3 < the warmup)
     assert _dry_run("run.sh", NUM_GPUS="2")[0][4:6] == ["--num_processes", "2"]
 
     from ringft.evals.compare import parse_args as compare_args
@@ -113,6 +149,8 @@ def test_wrappers_launch_the_stages_and_the_measurement():
     assert [eval_args(a).model for a in evals[:2]] == [BEFORE_MODEL, "outputs/smollm2_32k/stage2_32k/final"]
     before_only = _dry_run("measure.sh", SIDES="before")  # the base model, no comparison
     assert [eval_args(c[c.index("eval-lines") + 1 :]).model for c in before_only] == [BEFORE_MODEL] * 2
+    checked = [check_command(c, tmp_path) for c in commands]
+    assert checked == ["ringft eval-lines", "ringft eval-lines", "ringft.evals.compare"] * 2
     for command in commands:
         if "ringft.evals.compare" in command:
             runs = compare_args(command[command.index("ringft.evals.compare") + 1 :]).runs

@@ -13,7 +13,7 @@ same global batch, starting from the same saved model folder (``from_pretrained`
 configs are the shipped ones with one key changed for the test: ``mixed_precision: "no"`` (fp32,
 so that the round-off bounds below hold).
 
-Tolerances: those of tests/train/test_trainer.py (LOSS_RTOL per step, UPDATE_RTOL on the weights' update
+Tolerances: those of tests/tiny_training.py (LOSS_RTOL per step, UPDATE_RTOL on the weights' update
 relative to its norm; both from eps32 x the reduction lengths x steps): the runs only reorder fp32
 sums, while a wrong loss scale under DeepSpeed's ``1 / gradient_accumulation_steps`` changes the
 gradient norm by 2x, and weight decay left off (wd 0.5 at lr 1e-3) changes the update by ~1 %. The
@@ -36,18 +36,17 @@ import torch
 import yaml
 
 from ringft.ops.spawn import free_port, run_distributed
-from tests.train.test_trainer import (
+from tests.tiny_training import (
     LOSS_RTOL,
     RUN_TIMEOUT,
     UPDATE_RTOL,
     VOCAB,
-    _train_runs,
     assert_updates_close,
     assert_weights_equal,
-    data_path,  # noqa: F401  (module-scoped fixture)
     final_weights,
     tiny_recipe,
 )
+from tests.workers import train_runs
 
 pytest.importorskip("deepspeed")
 
@@ -132,7 +131,7 @@ def _metric(output_dir: Path, key: str = "loss") -> list[float]:
 def model_dir(tmp_path_factory) -> str:
     """tiny_recipe's model (seeded init), saved as a pretrained folder."""
     from ringft.train.build import build_model
-    from tests.train.test_trainer import recipe_from_dict
+    from ringft.train.recipe import recipe_from_dict
 
     path = tmp_path_factory.mktemp("model") / "tiny"
     build_model(
@@ -161,7 +160,7 @@ WEIGHT_DECAY = {"weight_decay": 0.5}  # decays by lr * 0.5 * w = ~1 % of an Adam
 
 def _reference(tmp_path: Path, data: str, model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     single = pretrained_recipe(tmp_path / "one", data, model, train={"micro_batch_size": 4, **WEIGHT_DECAY})
-    ref = run_distributed(_train_runs, 1, [{"recipe": single}], str(tmp_path), timeout=RUN_TIMEOUT)
+    ref = run_distributed(train_runs, 1, [{"recipe": single}], str(tmp_path), timeout=RUN_TIMEOUT)
     return ref[0][0]["losses"], final_weights(tmp_path / "one")
 
 
@@ -186,7 +185,7 @@ def _zero3_recipe(output_dir: Path, data: str, model: str) -> dict:
 
 @pytest.mark.numerics
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
-def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):  # noqa: F811
+def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):
     """ZeRO-3 with the shipped zero3_init_flag (dp=2 x cp=2, grad_accum 2, weight decay 0.5) == one
     process on the same global batch: losses, gradient norms and the exported weights' update; then
     --resume from the step-2 DeepSpeed checkpoint ends at the same weights."""
@@ -215,7 +214,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir): 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir):  # noqa: F811
+def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir):
     """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
     accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
     x grad_accum 2 == one process with micro 4."""
@@ -234,7 +233,7 @@ def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir): 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir):  # noqa: F811
+def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir):
     """LoRA (q/v) under ZeRO-3, dp=1 x cp=2: losses and the exported adapter's update == one process."""
     from safetensors.torch import load_file
 
@@ -243,7 +242,7 @@ def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir):  # noqa
     single = pretrained_recipe(tmp_path / "one", data_path, model_dir, train=train, lora=lora)
     start = tmp_path / "adapter-start.safetensors"
     run = {"recipe": single, "initial_adapter": str(start)}
-    ref = run_distributed(_train_runs, 1, [run], str(tmp_path), timeout=RUN_TIMEOUT)
+    ref = run_distributed(train_runs, 1, [run], str(tmp_path), timeout=RUN_TIMEOUT)
     raw = pretrained_recipe(
         tmp_path / "lora", data_path, model_dir, parallel={"cp_size": 2}, train=train, lora=lora
     )

@@ -29,7 +29,8 @@ import torch
 import yaml
 
 from ringft.ops.spawn import run_distributed
-from tests.train.test_trainer import _fresh_group, _one_thread, tiny_recipe
+from tests.tiny_training import tiny_recipe
+from tests.workers import fresh_group, one_thread
 
 TIMEOUT = 180.0
 
@@ -144,13 +145,13 @@ def _run_fault(case: dict, rank: int) -> dict:
 def _faults_worker(rank: int, world: int, cases: list[dict], store_dir: str) -> None:
     """Run ``cases`` in order; each result goes to ``store_dir/rank{rank}.json`` as soon as it is
     known (a fault, the last case, ends the rank that meets it: nothing is returned then)."""
-    _one_thread()
+    one_thread()
     record = Path(store_dir) / f"rank{rank}.json"
     results: dict = {}
     for index, case in enumerate(cases, start=1):
         if case["kind"] == "bad":
             results[case["name"]] = _run_bad_input(case)
-            _fresh_group(store_dir, index, rank, world)
+            fresh_group(store_dir, index, rank, world)
         else:
             results[case["name"]] = _run_fault(case, rank)
         record.write_text(json.dumps(results))

@@ -1,12 +1,21 @@
 """The recipe schema: every key typed and range-checked where the recipe is loaded (issue 16), typos
-refused in every section (data.synthetic included, issue 11), one line naming key, value and fix."""
+refused in every section (data.synthetic included, issue 11), one line naming key, value and fix;
+checks against the launch (world size, model type) and the CLI's error path."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from ringft.train.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict
-from tests.train.test_trainer import tiny_recipe
+import pytest
+import torch
+
+from ringft.train.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict, validate
+from tests.tiny_training import tiny_recipe
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _raw(tmp_path, **sections) -> dict:
@@ -143,3 +152,128 @@ def test_launch_world_size_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(RecipeError, match=r"data.seq_len=64 is not divisible by 2 \* cp_size = 6"):
         load_recipe(path)
+
+
+# -- recipe validation against the launch, and the CLI's error path ------------------------------
+
+
+def _optimizer_betas(raw: dict) -> set[tuple[float, float]]:
+    """The betas of every parameter group of the AdamW a one-process Trainer builds for ``raw``."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ringft.train.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw), progress=False)
+    try:
+        return {tuple(group["betas"]) for group in trainer.optimizer.param_groups}
+    finally:
+        trainer.lock.release()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_valid_recipe_passes(tmp_path, data_path):
+    """A valid recipe passes the launch checks, and its default AdamW betas (0.9, 0.95) (the long-
+    context recipes' setting, not torch's (0.9, 0.999)) are the trainer optimizer's; a recipe's
+    own betas replace them."""
+    recipe = recipe_from_dict(_raw(tmp_path, parallel={"cp_size": 2}))
+    validate(recipe, world_size=4)
+    assert recipe.train.betas == (0.9, 0.95)
+    assert _optimizer_betas(tiny_recipe(tmp_path / "default", data_path)) == {(0.9, 0.95)}
+    own = tiny_recipe(tmp_path / "own", data_path, train={"betas": [0.8, 0.99]})
+    assert _optimizer_betas(own) == {(0.8, 0.99)}
+
+
+def test_unknown_key_names_the_key_and_the_valid_keys(tmp_path):
+    raw = _raw(tmp_path)
+    raw["train"]["max_step"] = 3
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(raw)
+    msg = str(info.value)
+    assert "train.max_step" in msg and "max_steps" in msg and "micro_batch_size" in msg
+    with pytest.raises(RecipeError, match="trainer"):
+        recipe_from_dict({**_raw(tmp_path), "trainer": {}})
+
+
+def test_seq_len_must_divide_by_twice_cp(tmp_path):
+    with pytest.raises(RecipeError, match=r"seq_len=66 .*2 \* cp_size = 8.*72"):
+        recipe_from_dict(_raw(tmp_path, data={"seq_len": 66}, parallel={"cp_size": 4}))
+
+
+def test_missing_dataset_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(RecipeError, match="does not exist") as info:
+        recipe_from_dict(_raw(tmp_path, data={"path": str(missing)}))
+    assert str(missing) in str(info.value)
+
+
+def test_cp_must_divide_world_size(tmp_path):
+    recipe = recipe_from_dict(_raw(tmp_path, parallel={"cp_size": 2}))
+    with pytest.raises(RecipeError, match=r"parallel.cp_size=2 does not divide the 3 launched processes"):
+        validate(recipe, world_size=3)
+    # cp 3 on 2 processes with a seq_len that 2 * 3 does not divide either: the launch is named first
+    with pytest.raises(RecipeError, match=r"parallel.cp_size=3 does not divide the 2 launched processes"):
+        recipe_from_dict(_raw(tmp_path, parallel={"cp_size": 3}), world_size=2)
+
+
+def test_unsupported_model_type(tmp_path):
+    from ringft.train.build import build_model
+
+    raw = _raw(tmp_path, model={"model_type": "gpt2"})
+    # Either the recipe check or (at the latest) building the model must refuse it, by name.
+    with pytest.raises(RecipeError, match="gpt2"):
+        build_model(recipe_from_dict(raw), vocab_size=300)
+
+
+@pytest.mark.parametrize("which", ["both", "neither"])
+def test_exactly_one_of_name_or_path_and_config(tmp_path, which):
+    raw = _raw(tmp_path)
+    if which == "both":
+        raw["model"]["name_or_path"] = "some/model"
+    else:
+        del raw["model"]["config"]
+    with pytest.raises(RecipeError, match="exactly one of model.name_or_path .* or model.config"):
+        recipe_from_dict(raw)
+
+
+@pytest.mark.timeout(120)
+def test_cli_bad_recipe_exits_2_with_one_line(tmp_path):
+    import yaml
+
+    raw = _raw(tmp_path)
+    raw["train"]["learning_rate"] = 1e-3
+    bad = tmp_path / "BAD.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringft", "train", str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ringft train: error:") and "train.learning_rate" in lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_fsdp_launch_without_gpu_is_refused_not_silently_dropped(tmp_path):
+    """accelerate runs FSDP only on accelerators: without a GPU an FSDP launch config must fail
+    with a clear error instead of training unsharded (what accelerate's cpu=True would do)."""
+    import yaml
+
+    recipe = tmp_path / "ok.yaml"
+    recipe.write_text(yaml.safe_dump(_raw(tmp_path)))
+    env = dict(os.environ, ACCELERATE_USE_FSDP="true")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringft", "train", str(recipe)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "FSDP launch config needs GPUs" in proc.stderr and "cpu_2proc.yaml" in proc.stderr

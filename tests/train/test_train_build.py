@@ -12,7 +12,7 @@ import torch
 from ringft.train.build import build_model, decay_parameter_groups, model_config
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import recipe_from_dict
-from tests.train.test_trainer import VOCAB, final_weights, tiny_recipe
+from tests.tiny_training import VOCAB, final_weights, tiny_recipe
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,46 @@
+"""Shared fixtures of the test suite, and where the shared helpers live.
+
+Tests spawn gloo ranks with ``ringft.ops.spawn.run_distributed``; a spawned rank imports its worker
+by module path, so every helper a worker may call is a plain function in a plain module (never in a
+test module: no test module imports another one, tests/test_architecture.py checks it):
+
+- tests/tiny_models.py: ``tiny_model`` (2-layer LLaMA / Mistral, vocabulary ``VOCAB`` = 96, eager),
+  ``ragged_examples``, ``save_tiny_model`` (1-layer LLaMA + demo tokenizer, saved);
+- tests/tiny_training.py: ``tiny_recipe`` (the raw recipe of the trainer tests), its tolerances
+  ``LOSS_RTOL`` / ``UPDATE_RTOL`` (derived there), ``save_random_tokens``, and the weight comparisons
+  ``final_weights`` / ``initial_weights`` / ``assert_updates_close`` / ``assert_weights_equal``;
+- tests/workers.py: the ranks' side: ``one_thread``, ``fresh_group`` (a fresh process group after a
+  Trainer ended its own), ``inject_kill``, ``train_runs``;
+- tests/oracle.py: fp64 attention oracles; tests/real_model.py: the SmolLM2-135M weights.
+
+The fixtures below are built once per session, and only for the tests that ask for them (no
+per-test cost for the others).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# Helpers are imported inside the fixtures: collecting a test that needs none of them (the
+# architecture test) does not import torch.
+
+
+@pytest.fixture(scope="session")
+def data_path(tmp_path_factory) -> str:
+    """tiny_recipe's training data: 48 random-token examples of 20..64 tokens, labels masking a
+    random prefix (a "prompt"); a saved ``datasets`` folder, read-only."""
+    from tests.tiny_training import save_random_tokens
+
+    return save_random_tokens(tmp_path_factory.mktemp("data") / "random_tokens")
+
+
+@pytest.fixture(scope="session")
+def saved_tiny_model(tmp_path_factory) -> Path:
+    """``save_tiny_model``'s folder (1-layer random LLaMA + the demo tokenizer), read-only."""
+    from tests.tiny_models import save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    save_tiny_model(path)
+    return path

@@ -1,0 +1,77 @@
+"""Tiny transformers models for the tests, importable by spawned ranks (plain functions, no fixtures).
+
+- :func:`tiny_model`: a 2-layer LLaMA / Mistral of hidden 64 and vocabulary :data:`VOCAB`, seeded,
+  eager attention (the one-process oracle of the ring tests);
+- :func:`ragged_examples`: three examples of ragged lengths over that vocabulary, one with a masked
+  prompt;
+- :func:`save_tiny_model`: a 1-layer LLaMA with the shipped "demo" tokenizer, saved as a pretrained
+  folder (what ``ringft eval-lines`` and ``RingInference`` load).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 96  # tiny_model's vocabulary (the log-sum-exp's reduction length in tolerances)
+
+
+def tiny_model(kind: str, **overrides):
+    """A seeded 2-layer ``"llama"`` or ``"mistral"`` causal LM (hidden 64, intermediate 96, 4 heads,
+    2 KV heads, 512 positions, eager attention); ``overrides`` replace config values."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
+    common.update(overrides)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    common.setdefault("sliding_window", None)
+    return MistralForCausalLM(MistralConfig(**common))
+
+
+def ragged_examples(seed: int, lengths=(37, 50, 29)) -> list[dict[str, list[int]]]:
+    """``{"input_ids", "labels"}`` examples of ``lengths`` tokens in ``1..VOCAB-1``; the second one's
+    first half is a prompt (labels -100)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+        labels = list(ids)
+        if i == 1:
+            labels[: n // 2] = [-100] * (n // 2)  # a prompt that is not trained on
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def save_tiny_model(path: Path, vocab_size: int | None = None, max_positions: int = 1024) -> None:
+    """A 1-layer random LLaMA with the demo tokenizer, saved with save_pretrained (a few 100 KB)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
+
+    tok = load_demo_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab_size or len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+        )
+    )
+    model.save_pretrained(path)
+    tok.save_pretrained(path)

@@ -1,0 +1,123 @@
+"""Code that runs inside ``run_distributed``'s spawned ranks, shared by the trainer tests.
+
+Spawned ranks import a worker by its module path, so everything here is a plain module-level
+function (no fixtures). Trainings are expensive to launch (each process imports torch +
+transformers: seconds on CPU), so runs that belong together share one ``run_distributed`` call:
+``Accelerator.end_training()`` destroys the default process group, so between runs
+:func:`fresh_group` resets accelerate's shared state and opens a fresh gloo group (a FileStore in the
+test's tmp dir). A run that must start from a crash (``--resume`` after a SIGKILL) always starts in
+fresh processes. Crashes are injected by :func:`inject_kill`, not by the library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ringft.train.recipe import recipe_from_dict
+from tests.tiny_training import RUN_TIMEOUT
+
+
+def one_thread() -> None:
+    """Keep run_distributed's one thread per rank. With OMP_NUM_THREADS unset, accelerate's MULTI_CPU
+    setup calls ``torch.set_num_threads(physical cores / LOCAL_WORLD_SIZE)``, and run_distributed
+    does not set LOCAL_WORLD_SIZE (read as 1): every rank would take all cores (2.5x slower here)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def fresh_group(store_dir: str, index: int, rank: int, world: int) -> None:
+    """Prepare this process for another Trainer after ``end_training`` destroyed the group."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    if not dist.is_initialized():
+        Path(store_dir).mkdir(parents=True, exist_ok=True)  # (a FileStore in a missing folder hangs)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_dir}/pg-{index}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=RUN_TIMEOUT),
+        )
+
+
+def inject_kill(trainer, spec: str, rank: int) -> None:
+    """SIGKILL this process at a point of the run: ``step:N:R`` (rank R, right after optimizer step N)
+    or ``save:N:R`` (rank R, inside the save of step N: after every rank wrote accelerate's state,
+    before trainer_state.json and the rename)."""
+    import signal
+
+    point, at_step, at_rank = spec.split(":")
+    if int(at_rank) != rank:
+        return
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "step":
+        train_step = trainer.train_step
+
+        def train_step_then_die(step: int):
+            out = train_step(step)
+            if step + 1 == int(at_step):
+                die()
+            return out
+
+        trainer.train_step = train_step_then_die
+    elif point == "save":
+        accelerator = trainer.accelerator
+        save_state = accelerator.save_state
+
+        def save_state_then_die(path: str, *args, **kwargs):
+            out = save_state(path, *args, **kwargs)
+            if Path(path).name == f"step-{int(at_step):08d}.tmp":
+                accelerator.wait_for_everyone()
+                die()
+            return out
+
+        accelerator.save_state = save_state_then_die
+    else:
+        raise ValueError(f"unknown kill point {spec!r}")
+
+
+def train_runs(rank: int, world: int, runs: list[dict], store_dir: str) -> list[dict]:
+    """Train each of ``runs`` in turn: ``{"recipe": raw, "resume": bool, "kill": spec|None,
+    "record": path|None, "initial_adapter": path|None}``. Returns per run the losses and the step it
+    started from.
+
+    ``record`` (rank 0) writes the result as JSON as soon as the run ends: a later run of the same
+    call may be one that is meant to die, and then nothing is returned.
+    """
+    from ringft.train.loop import Trainer
+
+    one_thread()
+    results = []
+    for i, run in enumerate(runs):
+        if i:
+            fresh_group(store_dir, i, rank, world)
+        recipe = recipe_from_dict(run["recipe"])
+        trainer = Trainer(recipe, resume=run.get("resume", False), progress=False)
+        if run.get("kill"):
+            inject_kill(trainer, run["kill"], rank)
+        if run.get("initial_adapter") and rank == 0:  # the LoRA weights a run starts from
+            from peft import get_peft_model_state_dict
+            from safetensors.torch import save_file
+
+            start_state = get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.wrapped).model)
+            save_file(
+                {k: v.detach().clone().contiguous() for k, v in start_state.items()}, run["initial_adapter"]
+            )
+        start = trainer.start_step
+        res = trainer.run()
+        out = {"losses": res.losses, "start_step": start, "steps": res.steps}
+        if run.get("record") and rank == 0:
+            Path(run["record"]).write_text(json.dumps(out))
+        results.append(out)
+    return results
