@@ -75,3 +75,17 @@ def save_tiny_model(path: Path, vocab_size: int | None = None, max_positions: in
     )
     model.save_pretrained(path)
     tok.save_pretrained(path)
+
+
+def fp32_bounds(seq: int) -> tuple[float, float, float]:
+    """``(logits, loss, grad)`` relative fp32 bounds of :func:`tiny_model` runs over ``<= seq`` keys.
+
+    Per layer q/k/v (hidden 64) + attention (<= ``seq`` keys) + o_proj (64) + gate/up (64) + down
+    (96), 2 layers, then lm_head (64): the longest chain of fp32 sums behind one logit (``path``).
+    Logits: ``path * eps`` of max |logit|; loss: ``+`` the log-sum-exp over VOCAB and the mean over
+    ``<= seq`` targets; gradients: the backward retraces the path (``2 * path * eps`` of the
+    parameter's max entry).
+    """
+    eps = torch.finfo(torch.float32).eps
+    path = 2 * (64 + seq + 64 + 64 + 96) + 64
+    return path * eps, (path + VOCAB + seq) * eps, 2 * path * eps

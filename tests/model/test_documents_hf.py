@@ -6,7 +6,7 @@ Oracle: every document run separately through the same unmodified transformers m
 attention) in one process; the loss is the sum of all documents' token losses over the total
 number of targets. Tolerances (derived, fp32): both sides compute the same math with the sums in
 another order, and recursive summation of n terms errs by at most (n - 1) * eps relative, so each
-bound is eps times the longest chain of reductions (PATH below); any masking, position or label
+bound is eps times the longest chain of reductions (tests/tiny_models.py fp32_bounds); any masking, position or label
 mistake is O(1e-1) relative.
 """
 
@@ -22,16 +22,10 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.data.packer import pack_rows
 from ringft.ops.spawn import run_distributed
-from tests.tiny_models import VOCAB, tiny_model
+from tests.tiny_models import VOCAB, fp32_bounds, tiny_model
 
 SEQ = 48  # packed row length: a multiple of 2N for N = 1..4 (chunks of 24, 12, 8, 6)
-EPS32 = torch.finfo(torch.float32).eps
-# tiny_model: per layer q/k/v (hidden 64) + attention (<= SEQ keys) + o_proj (64) + gate/up (64) +
-# down (96), 2 layers, then lm_head (64): the longest chain of fp32 sums behind one logit.
-PATH = 2 * (64 + SEQ + 64 + 64 + 96) + 64
-LOGITS_RTOL = PATH * EPS32  # max |logit error| / max |logit|
-LOSS_RTOL = (PATH + VOCAB + SEQ) * EPS32  # + the log-sum-exp over VOCAB and the mean over <= SEQ targets
-GRAD_RTOL = 2 * PATH * EPS32  # the backward retraces the path; relative to the parameter's max entry
+LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = fp32_bounds(SEQ)  # tests/tiny_models.py derives them
 
 LAYOUTS = {
     "one": [48],
