@@ -6,8 +6,8 @@ Oracle: every document run separately through the same unmodified transformers m
 attention) in one process; the loss is the sum of all documents' token losses over the total
 number of targets. Tolerances (derived, fp32): both sides compute the same math with the sums in
 another order, and recursive summation of n terms errs by at most (n - 1) * eps relative, so each
-bound is eps times the longest chain of reductions (tests/tiny_models.py fp32_bounds); any masking, position or label
-mistake is O(1e-1) relative.
+bound is eps times the longest chain of reductions (tests/tiny_models.py fp32_bounds); any
+masking, position or label mistake is O(1e-1) relative.
 """
 
 from __future__ import annotations
