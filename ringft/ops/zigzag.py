@@ -29,7 +29,7 @@ from ringft.ops.zigzag_blocks import backward_block, forward_block
 
 Tensor = torch.Tensor
 
-__all__ = ["local_input_problems", "validate_inputs", "zigzag_ring_attention"]
+__all__ = ["local_input_problems", "offsets_checksum", "validate_inputs", "zigzag_ring_attention"]
 
 
 def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str, cp_size: int = 1) -> list[str]:
@@ -88,7 +88,9 @@ def _document_problems(q: Tensor, cu_seqlens, causal: bool, rank: int, size: int
     return check_cu_seqlens(cu_seqlens, q.shape[1] * size, q.shape[0])
 
 
-def _offsets_checksum(cu_seqlens) -> int:
+def offsets_checksum(cu_seqlens) -> int:
+    """A fingerprint of per-row global document offsets for the ranks' agreement check (0 for none
+    or a prebuilt DocumentPlan, which is checked against this rank instead)."""
     if cu_seqlens is None or isinstance(cu_seqlens, DocumentPlan):
         return 0
     return checksum([list(map(int, row)) for row in cu_seqlens])
@@ -115,7 +117,7 @@ def validate_inputs(
     problems = local_input_problems(q, k, v, backend, size)
     problems += _document_problems(q, cu_seqlens, causal, rank, size)
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
-    facts = (*shape, DTYPE_CODES.get(q.dtype, 0), _offsets_checksum(cu_seqlens))
+    facts = (*shape, DTYPE_CODES.get(q.dtype, 0), offsets_checksum(cu_seqlens))
     rows = exchange_facts((int(bool(problems)),), facts, group=group, device=q.device)
     where = "zigzag_ring_attention"
     raise_problems(where, problems, [bool(bad) for (bad,), _ in rows], rank)
