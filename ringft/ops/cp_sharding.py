@@ -54,7 +54,8 @@ def ulysses_size_problem(cp_size: int, ulysses_size: int) -> str | None:
 
 
 def _check(seq_len: int, cp_size: int, ulysses_size: int) -> None:
-    problem = ulysses_size_problem(cp_size, ulysses_size) or zigzag_length_problem(seq_len, cp_size)
+    fix = f"pad it to a multiple of {2 * cp_size} (RingDataCollator pads automatically)"
+    problem = ulysses_size_problem(cp_size, ulysses_size) or zigzag_length_problem(seq_len, cp_size, fix=fix)
     if problem:
         raise ValueError(problem)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ from ringft.ops.alltoall import heads_to_seq, seq_to_heads
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens
 from ringft.ops.dtypes import follow_autocast
 from ringft.ops.hybrid_layout import HybridGroups
-from ringft.ops.validate import DTYPE_CODES, raise_on_every_rank
+from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 from ringft.ops.zigzag import local_input_problems, zigzag_ring_attention
 
 Tensor = torch.Tensor
@@ -69,7 +68,7 @@ def heads_problem(heads: int, ulysses_size: int, cp_size: int | None = None) -> 
 def _checksum(cu_seqlens) -> int:
     if cu_seqlens is None or isinstance(cu_seqlens, DocumentPlan):
         return 0
-    return zlib.crc32(repr([list(map(int, row)) for row in cu_seqlens]).encode())
+    return checksum([list(map(int, row)) for row in cu_seqlens])
 
 
 def _document_problems(q: Tensor, cu_seqlens, causal: bool, sizes, ranks) -> list[str]:
@@ -93,7 +92,7 @@ def _document_problems(q: Tensor, cu_seqlens, causal: bool, sizes, ranks) -> lis
 
 def _problems(q, k, v, backend, cu_seqlens, causal, groups: HybridGroups) -> list[str]:
     sizes, ranks, layout = groups.sizes(), groups.ranks(), groups.problem()
-    problems = ([layout] if layout else []) + local_input_problems(q, k, v, backend)
+    problems = ([layout] if layout else []) + local_input_problems(q, k, v, backend, sizes[2])
     if q.dim() == 4:
         head = heads_problem(q.shape[2], sizes[0], sizes[2])
         problems += [head] if head else []
@@ -103,19 +102,19 @@ def _problems(q, k, v, backend, cu_seqlens, causal, groups: HybridGroups) -> lis
 def _validate(q, k, v, backend, cu_seqlens, causal, groups: HybridGroups) -> None:
     """The same ``ValueError`` on every CP rank when any rank's inputs are unusable or disagree:
     one small all_gather over the CP group before any all-to-all or ring traffic."""
-    (u_size, r_size, cp_size), (_, _, cp_rank) = groups.sizes(), groups.ranks()
+    (u_size, r_size, _), (_, _, cp_rank) = groups.sizes(), groups.ranks()
+    problems = _problems(q, k, v, backend, cu_seqlens, causal, groups)
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
-    raise_on_every_rank(
-        "ulysses_ring_attention",
-        _problems(q, k, v, backend, cu_seqlens, causal, groups),
-        (*shape, DTYPE_CODES.get(q.dtype, 0), _checksum(cu_seqlens), u_size, r_size),
+    facts = (*shape, DTYPE_CODES.get(q.dtype, 0), _checksum(cu_seqlens), u_size, r_size)
+    rows = exchange_facts((int(bool(problems)),), facts, group=groups.cp, device=q.device)
+    where = "ulysses_ring_attention"
+    raise_problems(where, problems, [bool(bad) for (bad,), _ in rows], cp_rank)
+    raise_if_facts_differ(
+        where,
+        [theirs for _, theirs in rows],
         "(batch, seq_local, heads, dim, kv_heads, dtype, cu_seqlens checksum, ulysses, ring)",
         "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim, dtype, "
         "cu_seqlens and layout. Shard every sequence with cp_shard / RingDataCollator",
-        group=groups.cp,
-        rank=cp_rank,
-        size=cp_size,
-        device=q.device,
     )
 
 
