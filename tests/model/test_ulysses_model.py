@@ -5,7 +5,7 @@ One spawn of 4 gloo processes runs every (ulysses, ring) factorisation of CP 2 (
 GQA with K/V heads fewer than (replicated), equal to and more than ``ulysses_size``; then packed
 documents through the hybrid, from the collator's ``cu_seqlens`` and from the position ids alone
 (the fallback that gathers them over the CP group), and RingInference (prefill through the hybrid,
-decode on the per-CP-rank cache).
+decode on the per-CP-rank cache), and two bad inputs that must raise on every rank.
 
 Oracle: the same weights, eager attention, one process, the whole (padded) batch; packed rows with
 restarting position ids and no mask (transformers masks the documents itself). Tolerances:
@@ -186,6 +186,19 @@ def worker(rank: int, world: int) -> dict:
             if (cp, u) in ((4, 2), (3, 3)):
                 inference = _inference(target, cp_rank, *HEADS[u][0])
                 out["errors"].update({f"{cp}x{u}/{k}": v for k, v in inference.items()})
+        if (cp, u) == (4, 2):  # bad inputs raise on every rank, before any all-to-all
+            model = apply_ring_attention(_model(*HEADS[u][1]), target)
+            skewed = RingDataCollator(cp_rank, cp, pad_token_id=0, ulysses_size=u)(
+                ragged_examples(1, lengths=(40, 40 + 8 * cp_rank))
+            )
+            no_positions = {k: v for k, v in batch.items() if k != "position_ids"}
+            for name, bad in (("skewed", skewed), ("positions", no_positions)):
+                try:
+                    model(**bad)
+                    out["seen"][name] = "no error"
+                except ValueError as exc:
+                    out["seen"][name] = str(exc)
+            model(**batch)  # the groups still work
         if (cp, u) == (3, 3):
             try:
                 apply_ring_attention(tiny_model("llama"), target)  # 4 query heads, ulysses 3
@@ -231,6 +244,8 @@ def test_hybrid_model_matches_one_process():
                 else:
                     assert len(warnings) == 1 and f"sent {copies} times" in warnings[0], warnings
                     logged.add((u, hkv))
+        assert "same batch and seq_local" in seen["skewed"], seen["skewed"]
+        assert "cp_position_ids" in seen["positions"], seen["positions"]
         if rank < 3:
             assert "query heads (4) are not divisible by ulysses_size=3" in seen["heads"], seen["heads"]
             assert seen["heads"].endswith("[1]"), seen["heads"]
