@@ -13,7 +13,8 @@ from typing import Any
 
 from ringft.data.collator import RingDataCollator, pad_and_shard
 from ringft.model.patch import apply_ring_attention, remove_ring_attention, ring_attention, ring_spec
-from ringft.ops import zigzag_ring_attention
+from ringft.ops import build_hybrid_layout, ulysses_ring_attention, zigzag_ring_attention
+from ringft.ops.cp_sharding import cp_gather, cp_position_ids, cp_shard, cp_unshard
 from ringft.ops.sharding import zigzag_gather, zigzag_position_ids, zigzag_shard, zigzag_unshard
 
 __version__ = "0.1.0"
@@ -36,13 +37,19 @@ __all__ = [
     "RingInference",
     "TrainError",
     "apply_ring_attention",
+    "build_hybrid_layout",
     "chunked_lm_loss",
+    "cp_gather",
+    "cp_position_ids",
+    "cp_shard",
+    "cp_unshard",
     "load_recipe",
     "loss_normalization",
     "pad_and_shard",
     "remove_ring_attention",
     "ring_attention",
     "ring_spec",
+    "ulysses_ring_attention",
     "zigzag_gather",
     "zigzag_position_ids",
     "zigzag_ring_attention",

@@ -7,6 +7,7 @@
 #   recipes/llama3_8b_512k/run_lora.sh [--section.key value ...]
 #   ACCELERATE_CONFIG=recipes/accelerate/2node_8gpu.yaml LAUNCH_ARGS="--main_process_ip IP --machine_rank R" \
 #       recipes/llama3_8b_512k/run_lora.sh --train.grad_accum 1     # 2 nodes: dp 2 x cp 8
+#   (2 nodes as one CP group, Ulysses 8 x ring 2: --parallel.cp_size 16 --parallel.ulysses_size 8)
 #   DRY_RUN=1 recipes/llama3_8b_512k/run_lora.sh                    # print the command
 # The result, outputs/llama3_8b_512k/stage4_512k_lora/final, is a peft adapter: see the recipe's
 # header for loading it with the 512K RoPE settings.

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ringft.data.packer import pack_rows, padding_fraction
-from ringft.ops.sharding import zigzag_padded_length, zigzag_shard
+from ringft.ops.cp_sharding import cp_shard, ulysses_size_problem
+from ringft.ops.sharding import zigzag_padded_length
 
 
 class RingDataCollator:
@@ -43,6 +44,10 @@ class RingDataCollator:
     :attr:`last_padding_fraction` and :attr:`last_rows` (example indices per row, in order) describe
     the last packed batch.
 
+    ``ulysses_size`` (default 1: the zigzag ring): 2D context parallelism, ``cp_size = ulysses_size
+    x ring_size``; every tensor is sharded with :func:`ringft.ops.cp_sharding.cp_shard` (the ring's
+    zigzag shard, cut into ``ulysses_size`` contiguous pieces). The padding rule is the same.
+
     Every CP rank of a replica must receive the same examples (same order).
     """
 
@@ -56,10 +61,14 @@ class RingDataCollator:
         max_length: int | None = None,
         packing: bool = False,
         document_masking: bool = False,
+        ulysses_size: int = 1,
     ):
         if cp_size < 1 or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank must be in 0..cp_size-1, got cp_rank={cp_rank}, cp_size={cp_size}")
-        self.cp_rank, self.cp_size = cp_rank, cp_size
+        problem = ulysses_size_problem(cp_size, ulysses_size)
+        if problem:
+            raise ValueError(problem)
+        self.cp_rank, self.cp_size, self.ulysses_size = cp_rank, cp_size, ulysses_size
         self.pad_token_id, self.ignore_index = pad_token_id, ignore_index
         self.pad_to_multiple_of = pad_to_multiple_of
         if max_length is not None and max_length != self.padded_length(max_length):
@@ -115,7 +124,7 @@ class RingDataCollator:
                 f"max_length={seq_len}: truncate or split long documents first"
             )
         lengths = [len(a) for a in ids]
-        self.last_rows = pack_rows(lengths, seq_len, self.cp_size)
+        self.last_rows = pack_rows(lengths, seq_len, self.cp_size // self.ulysses_size)  # balance the ring
         self.last_padding_fraction = padding_fraction(lengths, self.last_rows, seq_len)
         rows = [[(ids[i], labels[i]) for i in members] for members in self.last_rows]
         return self._rows(rows, seq_len, padding_restarts=True)
@@ -153,10 +162,13 @@ class RingDataCollator:
         }
 
     def shard(self, full: dict[str, Any]) -> dict[str, Any]:
-        """This rank's zigzag shard ``(batch, seq_len // cp_size)`` of every ``(batch, seq_len)``
-        tensor of :meth:`global_batch`; ``cu_seqlens`` (global offsets) stays as it is."""
+        """This rank's shard ``(batch, seq_len // cp_size)`` of every ``(batch, seq_len)`` tensor of
+        :meth:`global_batch` (zigzag; :func:`cp_shard` with ``ulysses_size``); ``cu_seqlens``
+        (global offsets) stays as it is."""
         return {
-            k: zigzag_shard(v, self.cp_rank, self.cp_size).contiguous() if torch.is_tensor(v) else v
+            k: cp_shard(v, self.cp_rank, self.cp_size, self.ulysses_size).contiguous()
+            if torch.is_tensor(v)
+            else v
             for k, v in full.items()
         }
 
@@ -191,11 +203,12 @@ def _row_document_offsets(example: dict[str, Any], length: int, row: int) -> lis
 
 
 def pad_and_shard(
-    input_ids: Sequence[int], cp_rank: int, cp_size: int, pad_token_id: int = 0
+    input_ids: Sequence[int], cp_rank: int, cp_size: int, pad_token_id: int = 0, ulysses_size: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, padded like :class:`RingDataCollator` pads it and zigzag-sharded for
-    ``cp_rank``: ``(input_ids, position_ids)``, each ``(1, padded_len // cp_size)`` int64, where
-    ``padded_len`` is the next multiple of ``2 * cp_size``. Pads come after the sequence."""
-    collator = RingDataCollator(cp_rank, cp_size, pad_token_id)
+    """One sequence, padded like :class:`RingDataCollator` pads it and sharded for ``cp_rank``
+    (zigzag; with ``ulysses_size``, the Ulysses x ring layout): ``(input_ids, position_ids)``, each
+    ``(1, padded_len // cp_size)`` int64, where ``padded_len`` is the next multiple of
+    ``2 * cp_size``. Pads come after the sequence."""
+    collator = RingDataCollator(cp_rank, cp_size, pad_token_id, ulysses_size=ulysses_size)
     local = collator.shard(collator.global_batch([{"input_ids": list(input_ids)}]))
     return local["input_ids"], local["position_ids"]

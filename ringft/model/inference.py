@@ -7,6 +7,11 @@ decoder keyword ``ring_cache``. A generated token is run on every rank (replicat
 over the sharded cache is merged by log-sum-exp across the group (``ringft.ops.decode``), and its
 own K/V is appended on CP rank 0. Nothing is truncated, and results equal one-process inference up
 to float round-off.
+
+2D context parallelism (``ulysses_size > 1``, or a layout from ``build_hybrid_layout``) is
+supported exactly: the prefill runs through Ulysses x ring; each CP rank caches the K/V of the
+tokens it holds in that layout (all heads, its ``S / cp_size`` positions), so decoding is the same
+merge over the CP group.
 """
 
 from __future__ import annotations
@@ -17,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ringft.data.collator import pad_and_shard
-from ringft.model.patch import apply_ring_attention
+from ringft.model.patch import apply_ring_attention, ring_spec
 from ringft.model.unwrap import decoder, output_head
 from ringft.ops import ShardedKVCache
-from ringft.ops.comm import group_rank_and_size
 
 __all__ = ["RingInference"]
 
@@ -31,14 +35,17 @@ class RingInference:
     """Prefill / decode / scoring for one sequence at a time on a CP group.
 
     Every rank of ``cp_group`` must make the same calls with the same arguments. Token ids are
-    Python ints; logits are fp32 ``(vocab,)`` tensors, identical on every rank.
+    Python ints; logits are fp32 ``(vocab,)`` tensors, identical on every rank. ``cp_group`` and
+    ``ulysses_size`` are :func:`~ringft.model.patch.apply_ring_attention`'s (a process group, or a
+    Ulysses x ring layout).
     """
 
-    def __init__(self, model: torch.nn.Module, cp_group=None, backend: str = "auto"):
-        self.model = apply_ring_attention(model, cp_group, backend)
+    def __init__(self, model: torch.nn.Module, cp_group=None, backend: str = "auto", *, ulysses_size=None):
+        self.model = apply_ring_attention(model, cp_group, backend, ulysses_size=ulysses_size)
         self.model.eval()
-        self.group = cp_group
-        self.rank, self.size = group_rank_and_size(cp_group)
+        spec = ring_spec(model)
+        self.group, self.rank, self.size = spec.group, spec.rank, spec.size
+        self.ulysses_size = spec.ulysses_size
         self.device = next(model.parameters()).device
         self.decoder = decoder(model)
         self.lm_head = output_head(model)
@@ -61,7 +68,7 @@ class RingInference:
     def _shard(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if not ids:
             raise ValueError("RingInference needs a non-empty prompt")
-        local, pos = pad_and_shard(ids, self.rank, self.size)
+        local, pos = pad_and_shard(ids, self.rank, self.size, ulysses_size=self.ulysses_size)
         return local.to(self.device), pos.to(self.device)
 
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

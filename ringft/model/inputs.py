@@ -29,13 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ringft.model.rope import rope_problem
+from ringft.ops.cp_sharding import cp_position_ids, cp_unshard
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, cu_seqlens_from_position_ids, document_plan
-from ringft.ops.sharding import (
-    local_length_problem,
-    zigzag_padded_length,
-    zigzag_position_ids,
-    zigzag_unshard,
-)
+from ringft.ops.sharding import local_length_problem, zigzag_padded_length
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 
 if TYPE_CHECKING:
@@ -77,7 +73,8 @@ def position_problems(positions: torch.Tensor | None, cp_size: int, inference: b
         return []
     return [
         "ring attention over a CP group needs the global position ids of the local tokens "
-        "(RoPE): pass position_ids from RingDataCollator or zigzag_position_ids(...)"
+        "(RoPE): pass position_ids from RingDataCollator or cp_position_ids(...) (zigzag_position_ids(...) "
+        "for the plain ring)"
     ]
 
 
@@ -166,29 +163,32 @@ def take_document_offsets(
 
 
 def _plain_positions(positions: torch.Tensor, spec: RingSpec) -> bool:
-    """Whether ``positions`` ``(batch or 1, seq_local)`` are this rank's plain zigzag positions
-    ``0..S-1`` (one document per row), i.e. nothing to mask beyond causality."""
+    """Whether ``positions`` ``(batch or 1, seq_local)`` are this rank's plain positions ``0..S-1``
+    (zigzag; Ulysses x ring: :func:`cp_position_ids`), one document per row: nothing to mask
+    beyond causality."""
     seq = positions.shape[1] * spec.size
-    expected = zigzag_position_ids(seq, spec.rank, spec.size, device=positions.device)
+    expected = cp_position_ids(seq, spec.rank, spec.size, spec.ulysses_size, device=positions.device)
     return bool((positions == expected).all())
 
 
 def _offsets_from_positions(positions: torch.Tensor | None, spec: RingSpec) -> list[list[int]]:
-    """Global document offsets from every rank's ``positions`` (one all_gather and a host copy)."""
+    """Global document offsets from every rank's ``positions`` (one all_gather over the CP group,
+    unsharded by the CP layout, and a host copy)."""
     if spec.size > 1:
         if positions is None:  # another rank's positions are packed; ours are missing
             raise ValueError("ring attention: position_ids are needed on every CP rank")
         pieces = [torch.empty_like(positions.contiguous()) for _ in range(spec.size)]
         dist.all_gather(pieces, positions.contiguous(), group=spec.group)
-        positions = zigzag_unshard(pieces)
+        positions = cp_unshard(pieces, spec.ulysses_size)
     return cu_seqlens_from_position_ids(positions)
 
 
 def _plan(offsets: list[list[int]], seq_len: int, batch: int, spec: RingSpec) -> DocumentPlan | None:
-    """This rank's plan, or None when every row is one document (the unmasked schedule)."""
+    """This rank's plan (for its *ring* rank and the ring's size: the ring masks the documents),
+    or None when every row is one document (the unmasked schedule)."""
     if all(len(row) == 2 for row in offsets):
         return None
-    plan = document_plan(offsets, seq_len, spec.rank, spec.size, batch=batch)
+    plan = document_plan(offsets, seq_len, spec.ring_rank, spec.ring_size, batch=batch)
     return None if plan.single else plan
 
 

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ringft.model.inputs import CHECKED, DOCUMENTS, check_forward_inputs
 from ringft.model.rope import rope_problem
 from ringft.model.unwrap import decoder, pretrained_model
-from ringft.ops import ShardedKVCache, zigzag_ring_attention
+from ringft.ops import ShardedKVCache, ulysses_ring_attention, zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
+from ringft.ops.hybrid_layout import resolve_cp_groups
+from ringft.ops.ulysses import heads_problem
 
 __all__ = [
     "ATTENTION_NAME",
@@ -52,13 +53,29 @@ MIN_TRANSFORMERS = (5, 0)
 @dataclass(frozen=True)
 class RingSpec:
     """How a model's attention runs on the ring: the CP group (``size`` ranks, this one ``rank``)
-    and the block backend; set by :func:`apply_ring_attention`, read with :func:`ring_spec`."""
+    and the block backend; set by :func:`apply_ring_attention`, read with :func:`ring_spec`.
+
+    2D context parallelism: ``ulysses_size > 1`` splits the CP group into Ulysses x ring
+    (``groups``: :class:`~ringft.ops.hybrid_layout.HybridGroups`; None for the plain ring), and the
+    tokens follow :mod:`ringft.ops.cp_sharding`'s layout."""
 
     group: Any
     backend: str
     size: int
     rank: int
     previous_implementation: str | None
+    ulysses_size: int = 1
+    groups: Any = None
+
+    @property
+    def ring_rank(self) -> int:
+        """This rank's position in its ring group (``rank // ulysses_size``)."""
+        return self.rank // self.ulysses_size
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks per ring group (``size // ulysses_size``)."""
+        return self.size // self.ulysses_size
 
 
 def ring_spec(model: torch.nn.Module) -> RingSpec | None:
@@ -130,13 +147,13 @@ def ring_attention_forward(
             "Set model.config.sliding_window = None (as Mistral v0.2+ does for long context) or use "
             f"sequences of at most {sliding_window} tokens"
         )
-    out = zigzag_ring_attention(
+    out = _attend(
+        spec,
         q,
         k,
         v,
         causal=getattr(module, "is_causal", True),
         softmax_scale=scaling,
-        group=spec.group,
         backend=spec.backend,
         validate=not kwargs.get(CHECKED, False),
         cu_seqlens=kwargs.get(DOCUMENTS),
@@ -144,6 +161,15 @@ def ring_attention_forward(
     if ring_cache is not None:
         ring_cache.store_prefill(module.layer_idx, k, v)
     return out.contiguous(), None
+
+
+def _attend(
+    spec: RingSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor:
+    """The zigzag ring over the CP group, or Ulysses x ring over ``spec.groups``."""
+    if spec.groups is None:
+        return zigzag_ring_attention(q, k, v, group=spec.group, **options)
+    return ulysses_ring_attention(q, k, v, groups=spec.groups, **options)
 
 
 def _register() -> None:
@@ -170,16 +196,22 @@ def _input_check_hook(spec: RingSpec, config):
 
 def apply_ring_attention(
     model: torch.nn.Module,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: Any = None,
     backend: str = "auto",
     *,
+    ulysses_size: int | None = None,
     allow_untested: bool = False,
 ) -> torch.nn.Module:
     """Switch a LLaMA- or Mistral-family model to zigzag ring attention over ``cp_group``.
 
-    Idempotent (a second call updates the group/backend); undo with :func:`remove_ring_attention`.
-    Works on a peft-wrapped model too. Returns ``model``. Inputs are then the CP rank's shard:
-    ``input_ids`` / ``position_ids`` ``(batch, S / cp_size)`` (see ``RingDataCollator``).
+    ``cp_group``: the CP process group (``None``: the default group), or, for 2D context
+    parallelism (Ulysses x ring), the layout of :func:`ringft.ops.build_hybrid_layout` (or its
+    ``.groups``). ``ulysses_size`` (default 1: the plain ring, bit for bit) splits a CP group that
+    spans every process into Ulysses x ring itself; it must divide the CP size and the query heads
+    (refused naming the sizes that work). Idempotent (a second call updates the groups/backend);
+    undo with :func:`remove_ring_attention`. Works on a peft-wrapped model too. Returns ``model``.
+    Inputs are then the CP rank's shard: ``input_ids`` / ``position_ids`` ``(batch, S / cp_size)``
+    (``RingDataCollator(..., ulysses_size=)``).
     """
     if _transformers_version() < MIN_TRANSFORMERS:
         import transformers
@@ -205,7 +237,12 @@ def apply_ring_attention(
             "transformers' AttentionInterface may work: pass allow_untested=True and compare against a "
             "one-process run"
         )
-    rank, size = group_rank_and_size(cp_group)
+    group, hybrid = resolve_cp_groups(cp_group, ulysses_size)  # (may build groups: every rank calls it)
+    rank, size = group_rank_and_size(group)
+    uly = 1 if hybrid is None else hybrid.sizes()[0]
+    heads = heads_problem(config.num_attention_heads, uly, size) if uly > 1 else None
+    if heads:
+        raise ValueError(heads)
     rope = rope_problem(config, size)
     if rope:
         raise ValueError(rope)
@@ -215,7 +252,7 @@ def apply_ring_attention(
     if hook is not None:
         hook.remove()
     previous = old.previous_implementation if old else config._attn_implementation
-    spec = RingSpec(group=cp_group, backend=backend, size=size, rank=rank, previous_implementation=previous)
+    spec = RingSpec(group, backend, size, rank, previous, ulysses_size=uly, groups=hybrid)
     pretrained._ringft_hook = decoder(model).register_forward_pre_hook(
         _input_check_hook(spec, config), with_kwargs=True
     )
@@ -242,9 +279,9 @@ def remove_ring_attention(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def ring_attention(model: torch.nn.Module, cp_group=None, backend: str = "auto"):
+def ring_attention(model: torch.nn.Module, cp_group=None, backend: str = "auto", *, ulysses_size=None):
     """Context manager form: ``with ring_attention(model, group): ...``."""
-    apply_ring_attention(model, cp_group, backend)
+    apply_ring_attention(model, cp_group, backend, ulysses_size=ulysses_size)
     try:
         yield model
     finally:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.parallel import ParallelLayout
 
-__all__ = ["HybridGroups", "HybridLayout", "build_hybrid_layout"]
+__all__ = ["HybridGroups", "HybridLayout", "build_hybrid_layout", "resolve_cp_groups"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,59 @@ def build_hybrid_layout(cp_size: int, ulysses_size: int = 1, device_type: str = 
         layout.cp_group, layout.dp_group = mesh2.get_group("cp"), mesh2.get_group("dp")
         layout.groups = HybridGroups(mesh3.get_group("ulysses"), mesh3.get_group("ring"), layout.cp_group)
     return layout
+
+
+def resolve_cp_groups(groups: Any = None, ulysses_size: int | None = None) -> tuple[Any, HybridGroups | None]:
+    """``(CP group, HybridGroups or None)`` of what a caller passes as "the CP group":
+
+    - a process group or ``None`` (the default group): the zigzag ring over it (``ulysses_size``
+      None or 1), or, with ``ulysses_size > 1`` and a group spanning every process, the Ulysses x
+      ring split of the whole world (builds its groups: call it on every rank, in the same order);
+    - a :class:`HybridLayout` / :class:`~ringft.ops.parallel.ParallelLayout`, or
+      :class:`HybridGroups`: their groups.
+
+    The second value is None for the plain ring (``ulysses_size == 1``: today's operator over the
+    CP group, bit for bit). Raises ``ValueError`` (the same on every rank) when ``ulysses_size``
+    disagrees with the layout, does not divide the CP size, or needs groups that cannot be built
+    here.
+    """
+    if ulysses_size is not None and (not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool)):
+        raise ValueError(f"ulysses_size must be an integer >= 1, got {ulysses_size!r}")
+    if isinstance(groups, HybridLayout):
+        cp_group, given, hybrid = groups.cp_group, groups.ulysses_size, groups.groups
+    elif isinstance(groups, ParallelLayout):
+        cp_group, given, hybrid = groups.cp_group, 1, None
+    elif isinstance(groups, HybridGroups):
+        cp_group, given, hybrid = groups.cp, groups.sizes()[0], groups
+    else:
+        return _from_process_group(groups, 1 if ulysses_size is None else ulysses_size)
+    if ulysses_size is not None and ulysses_size != given:
+        raise ValueError(
+            f"ulysses_size={ulysses_size} but the layout passed is ulysses {given} x ring: pass one of them "
+            "(build_hybrid_layout(cp_size, ulysses_size) makes the layout)"
+        )
+    if given == 1:
+        return cp_group, None
+    problem = hybrid.problem()
+    if problem:
+        raise ValueError(problem)
+    return cp_group, hybrid
+
+
+def _from_process_group(group: Any, ulysses_size: int) -> tuple[Any, HybridGroups | None]:
+    initialized = dist.is_available() and dist.is_initialized()
+    size = dist.get_world_size(group) if initialized else 1
+    problem = ulysses_size_problem(size, ulysses_size)
+    if problem:
+        raise ValueError(problem)
+    if ulysses_size == 1:
+        return group, None
+    if size != dist.get_world_size():
+        raise ValueError(
+            f"ulysses_size={ulysses_size} with a CP group of {size} of the {dist.get_world_size()} "
+            "processes: the Ulysses and ring groups of every CP group must be built on every rank; pass "
+            "build_hybrid_layout(cp_size, ulysses_size) (the layout, or its .groups) instead of the group"
+        )
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    layout = build_hybrid_layout(size, ulysses_size, device_type)
+    return layout.cp_group, layout.groups

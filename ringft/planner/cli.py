@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (dp * cp)")
     p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB")
     p.add_argument("--cp", type=int, action="append", help="CP size(s) to try (default: all divisors)")
+    p.add_argument(
+        "--ulysses-size",
+        type=int,
+        default=1,
+        help="memory plan of Ulysses x ring with this Ulysses size (parallel.ulysses_size; 1: the ring)",
+    )
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-step")
     p.add_argument("--lora", action="store_true", help="LoRA instead of full fine-tuning")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -85,6 +91,7 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
         ("--lora-rank", args.lora_rank),
         ("--loss-chunk-size", args.loss_chunk_size),
         ("--tiled-mlp-tokens", args.tiled_mlp_tokens),
+        ("--ulysses-size", args.ulysses_size),
     ]
     out = values.problems(
         partial(values.as_integer, "--seq-len", args.seq_len, 2, fix=SEQ_LEN_FIX),
@@ -93,7 +100,12 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
         *(partial(values.as_integer, flag, value, 1) for flag, value in counts if value is not None),
         partial(values.as_number, "--overhead-gib", args.overhead_gib, 0, fix="must be >= 0 GiB"),
     )
+    u = args.ulysses_size
+    if u >= 1 and args.gpus >= 1 and args.gpus % u:
+        out.append(f"--ulysses-size {u} does not divide --gpus {args.gpus}: use one of {divisors(args.gpus)}")
     for cp in args.cp or []:
+        if u >= 1 and cp >= 1 and cp % u:
+            out.append(f"--ulysses-size {u} does not divide --cp {cp}: use one of {divisors(cp)}")
         if cp < 1:
             out += values.problems(partial(values.as_integer, "--cp", cp, 1))
         elif args.gpus >= 1 and args.gpus % cp:
@@ -135,6 +147,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "tiled_mlp_tokens": args.tiled_mlp_tokens,
         "attn_backend": args.attn_backend,
         "overhead_gib": args.overhead_gib,
+        "ulysses_size": args.ulysses_size,
     }
     if args.explore_offload:
         for k in ("offload_optimizer", "offload_params", "offload_activations"):

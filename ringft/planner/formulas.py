@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ringft.ops.ulysses import kv_replication
 from ringft.planner.setup import TrainingSetup
 from ringft.planner.shapes import ModelShape
 
 __all__ = [
     "attention_kernel",
     "checkpointed",
+    "kv_heads_sent",
     "layer_saved",
     "layer_working_set",
     "loss_working_set",
@@ -83,6 +85,12 @@ def model_states(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     }
 
 
+def kv_heads_sent(m: ModelShape, s: TrainingSetup) -> int:
+    """K/V heads the attention works on: ``nkv``, times the copies Ulysses sends when
+    ``ulysses_size`` does not divide them (:func:`ringft.ops.ulysses.kv_replication`)."""
+    return m.kv_heads * (kv_replication(m.kv_heads, s.ulysses_size) if s.ulysses_size > 1 else 1)
+
+
 def _linear_inputs(s: TrainingSetup, modules: Sequence[str], in_features: int, rank: int) -> tuple[bool, int]:
     """What the Linear ``modules`` (sharing one input of ``in_features``) keep for the backward,
     per token: ``(input kept, extra bytes)``.
@@ -116,6 +124,9 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
       checkpointed layer input), ``rsqrt`` (4 B), the normalised value ``a*h`` if the norm weight
       trains, and the norm's output ``a*h`` if q/k/v keep it (their weights train);
     - ``attention``: RoPE'd q, k, v and the output ``a*(2*nh + 2*nkv)*d``, fp32 lse ``4*nh``;
+      Ulysses x ring (``U > 1``): the ring keeps the head shards of q, k, v (K/V heads ``nkv'`` =
+      :func:`kv_heads_sent`, replicated where ``U`` does not divide ``nkv``) and of the output, and
+      o_proj the output's all-to-all'd copy: ``a*(3*nh + 2*nkv')*d``;
     - ``norm2``: as norm1, its input ``4*h`` either way (fp32 copy, or in fp32 the residual itself);
       output kept if gate/up train (or by the tiled MLP, which keeps its input);
     - ``mlp`` (SwiGLU): gate, silu(gate), up ``3*a*i``, and their product ``a*i`` if down_proj
@@ -134,6 +145,8 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     n1_kept, lora_attn = _linear_inputs(s, ("q_proj", "k_proj", "v_proj"), h, r)
     norm1 = (4 * h if a != 4 else 0) + 4 + norm_y + (a * h if n1_kept else 0)
     attention = a * (2 * q + 2 * kv) + 4 * m.heads
+    if s.ulysses_size > 1:
+        attention = a * (3 * q + 2 * kv_heads_sent(m, s) * d) + 4 * m.heads
     lora_attn += _linear_inputs(s, ("o_proj",), q, r)[1]  # the attention output is kept anyway
     n2_kept, lora_mlp = _linear_inputs(s, ("gate_proj", "up_proj"), h, r)
     if s.tiled_mlp:
@@ -168,8 +181,8 @@ def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
     native GQA) K/V are expanded to ``nh`` heads as well, ``+2*a*T*nh*d``.
     """
     a, t = s.act_bytes, s.tokens
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    gqa = m.kv_heads < m.heads
+    q, kv = m.heads * m.head_dim, kv_heads_sent(m, s) * m.head_dim  # (U > 1: per head shard, same total)
+    gqa = kv < q
     kernel = a * q + 2 * a * kv + (2 * a * q if gqa else 0) + 4 * q + a * q
     if gqa and s.attn_backend == "torch":
         kernel += 2 * a * q
@@ -189,6 +202,11 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
       ring buffers: fp32 dq accumulator ``4*T*nh*d``, K/V double buffer ``2*2*a*T*nkv*d`` and the
       travelling fp32 dK/dV double buffer ``2*2*4*T*nkv*d``; and the gradient flow: output and
       input grads ``2*a*T*h`` plus the RMSNorm backward's fp32 temporary ``4*T*h``.
+      Ulysses x ring: the ring buffers exist when ``ring_size > 1`` (at ``nkv'`` K/V heads); the
+      backward all-to-all of dq/dk/dv (after the ring's backward has freed its buffers) holds
+      the head-shard grads, the send and receive buffers and the sequence-shard result,
+      ``4*a*T*(nh + 2*nkv')*d``: the phase takes the larger of that and kernel + ring.
+      (Not measured on GPUs.)
     """
     a = s.act_bytes
     t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
@@ -199,18 +217,22 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
         mlp_extra = tile * (6 * a * i + tile_lora) + a * t * h
     else:
         mlp_extra = 6 * a * t * i - saved["mlp"]
-    ring = 0
-    if s.cp_size > 1:
-        q = m.heads * d
+    ring, all_to_all, q = 0, 0, m.heads * d
+    nkv = kv_heads_sent(m, s)
+    if s.ring_size > 1:
         ring = 4 * t * q + 2 * 2 * a * t * nkv * d + 2 * 2 * 4 * t * nkv * d
+    if s.ulysses_size > 1:
+        all_to_all = 4 * a * t * (q + 2 * nkv * d)
     kernel = attention_kernel(m, s)
     grad_flow = 2 * a * t * h + 4 * t * h
     mlp_phase = sum(saved.values()) + mlp_extra + a * t * h
-    attn_phase = saved["norm1"] + saved["attention"] + saved["lora_attn"] + kernel + ring + grad_flow
+    attn_saved = saved["norm1"] + saved["attention"] + saved["lora_attn"]
+    attn_phase = attn_saved + max(kernel + ring, all_to_all) + grad_flow
     return {
         "mlp_phase": mlp_phase,
         "attention_phase": attn_phase,
         "ring_buffers": ring,
+        "all_to_all_buffers": all_to_all,
         "attention_kernel": kernel,
         "mlp_backward_extra": mlp_extra,
         "grad_flow": grad_flow,

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from ringft.ops.ulysses import heads_problem
 from ringft.planner.formulas import (
     checkpointed,
     layer_saved,
@@ -80,7 +81,12 @@ def setup_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``setup`` for ``shape``: every term of :mod:`ringft.planner.formulas`."""
+    """The :class:`MemoryPlan` of ``setup`` for ``shape``: every term of :mod:`ringft.planner.formulas`.
+
+    Raises ``ValueError`` when ``setup.ulysses_size`` does not split the model's query heads."""
+    heads = heads_problem(shape.heads, setup.ulysses_size, setup.cp_size) if setup.ulysses_size > 1 else None
+    if heads:
+        raise ValueError(heads)
     states = model_states(shape, setup)
     saved = layer_saved(shape, setup)
     work = layer_working_set(shape, setup, saved)

@@ -19,11 +19,13 @@ def format_plan(plan: MemoryPlan) -> str:
     m, s = plan.model, plan.setup
     mode = f"LoRA r={s.lora_rank} ({','.join(s.lora_targets)})" if s.lora else "full fine-tuning"
     loss = f"chunked loss (chunk {s.loss_chunk_size})" if s.chunked_loss else "unchunked loss (full logits)"
+    split = f" (ulysses {s.ulysses_size} x ring {s.ring_size})" if s.ulysses_size > 1 else ""
     lines = [
         f"model {m.name}: h={m.hidden} i={m.intermediate} L={m.layers} heads={m.heads} kv_heads={m.kv_heads} "
         f"head_dim={m.head_dim} V={m.vocab}{' (tied)' if m.tie_embeddings else ''}; "
         f"{plan.params_total / 1e9:.3f}B params, {plan.params_trainable / 1e6:.1f}M trainable",
-        f"layout: {s.num_gpus} GPUs = dp {s.dp_size} x cp {s.cp_size}; S={s.seq_len} -> "
+        f"layout: {s.num_gpus} GPUs = dp {s.dp_size} x cp {s.cp_size}"
+        f"{split}; S={s.seq_len} -> "
         f"{s.seq_local} tokens/rank x micro-batch {s.micro_batch_size}; {s.dtype}, {mode}, "
         f"ZeRO-{s.zero_stage}, offload {s.offloads}, {loss}, "
         f"{f'tiled MLP ({s.tiled_mlp_tokens or m.hidden} tokens/tile), ' if s.tiled_mlp else ''}"
@@ -47,10 +49,13 @@ def format_plan(plan: MemoryPlan) -> str:
     d = plan.details
     lines += [
         "",
-        "layer working set: MLP phase {} GiB, attention phase {} GiB (ring buffers {} GiB)".format(
+        "layer working set: MLP phase {} GiB, attention phase {} GiB (ring buffers {} GiB{})".format(
             _gib(d["layer_ws.mlp_phase"]),
             _gib(d["layer_ws.attention_phase"]),
             _gib(d["layer_ws.ring_buffers"]),
+            f", all-to-all buffers {_gib(d['layer_ws.all_to_all_buffers'])} GiB"
+            if s.ulysses_size > 1
+            else "",
         ),
     ]
     return "\n".join(lines)

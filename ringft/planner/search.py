@@ -46,7 +46,7 @@ def plan_layouts(
         combos.sort(key=lambda c: sum(c.values()))
     plans = []
     for cp in cp_sizes or divisors(num_gpus):
-        if num_gpus % cp or zigzag_length_problem(seq_len, cp):
+        if num_gpus % cp or zigzag_length_problem(seq_len, cp) or cp % opts.get("ulysses_size", 1):
             continue
         for combo in combos:
             setup = TrainingSetup(

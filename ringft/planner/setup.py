@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 from ringft.ops import values
+from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.dtypes import DTYPES, dtype_from_name
 from ringft.ops.sharding import zigzag_length_problem
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, ModelShape
@@ -30,7 +31,9 @@ class TrainingSetup:
     ZeRO (DeepSpeed) and FSDP shard over all ``num_gpus`` ranks (the CP ranks of a replica hold
     the same parameters). ``tiled_mlp_tokens`` set means the tiled MLP is on with that tile size
     (as in recipes); ``tiled_mlp=True`` alone tiles by ``hidden_size`` tokens. Every value is
-    checked: a bad one raises ``ValueError`` naming it and the fix.
+    checked: a bad one raises ``ValueError`` naming it and the fix. ``ulysses_size > 1``: the CP
+    group runs Ulysses x ring (``cp_size = ulysses_size x ring``; its all-to-all buffers and
+    replicated K/V heads are in the plan).
     """
 
     seq_len: int
@@ -56,6 +59,7 @@ class TrainingSetup:
     tiled_mlp_tokens: int | None = None  # tokens per MLP tile; None: hidden_size (ceil(T / h) tiles)
     zero3_prefetch_layers: int = 1
     overhead_gib: float = 3.0
+    ulysses_size: int = 1  # 2D context parallelism: cp_size = ulysses_size x ring size
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -79,6 +83,8 @@ class TrainingSetup:
                 )
             length = zigzag_length_problem(self.seq_len, self.cp_size, subject=f"seq_len {self.seq_len}")
             out += [length] if length else []
+            split = ulysses_size_problem(self.cp_size, self.ulysses_size)
+            out += [split] if split else []
         out += values.problems(
             partial(values.as_number, "gpu_mem_gib", self.gpu_mem_gib, gt=0, fix="GiB per GPU, e.g. 79.6"),
             partial(values.as_integer, "tiled_mlp_tokens", self.tiled_mlp_tokens, 1, optional=True),
@@ -107,6 +113,11 @@ class TrainingSetup:
                 "offload_params needs ZeRO stage 3 (zero_stage=3): parameters are only partitioned there"
             )
         return out
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks per ring group: ``cp_size / ulysses_size``."""
+        return self.cp_size // self.ulysses_size
 
     @property
     def dp_size(self) -> int:
@@ -210,6 +221,7 @@ class MemoryPlan:
         out.update(
             model=self.model.name,
             cp=self.setup.cp_size,
+            ulysses=self.setup.ulysses_size,
             dp=self.setup.dp_size,
             seq_len=self.setup.seq_len,
             seq_local=self.setup.seq_local,

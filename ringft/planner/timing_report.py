@@ -169,7 +169,8 @@ def explain(times: list[StepTime]) -> str:
         )
     lines.append(
         "(model: attention compute fitted to H100 measurements; communication terms and U > 1 kernel "
-        "efficiency are unvalidated until a multi-GPU run; the memory plan above assumes the ring)"
+        "efficiency are unvalidated until a multi-GPU run; the memory plan above is for --ulysses-size, "
+        "default 1: the ring)"
     )
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from ringft.model.rope import PRETRAINED_LENGTH_ROPE, rope_problem
 from ringft.ops.dtypes import dtype_from_name
+from ringft.ops.ulysses import heads_problem
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
 
@@ -135,6 +136,10 @@ def _check_config(recipe: Recipe, config: Any, tokenizer_size: int | None) -> No
     rope = rope_problem(config, cp, "the model's RoPE type", "parallel.cp_size")
     if rope:
         raise RecipeError(rope)
+    ulysses = recipe.parallel.ulysses_size
+    heads = heads_problem(getattr(config, "num_attention_heads", 0), ulysses, cp) if ulysses > 1 else None
+    if heads:
+        raise RecipeError(f"parallel.ulysses_size: {heads}")
     window = getattr(config, "sliding_window", None)
     if window is not None and window < seq_len:
         raise RecipeError(
@@ -172,7 +177,10 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.Module:
-    """Checkpointing, the ring, the tiled MLP and LoRA, in that order; returns the model to train."""
+    """Checkpointing, the ring, the tiled MLP and LoRA, in that order; returns the model to train.
+
+    ``cp_group``: the CP process group, or the run's layout (``build_hybrid_layout``: with
+    ``parallel.ulysses_size > 1`` the attention runs Ulysses x ring)."""
     from ringft.model.patch import apply_ring_attention
 
     t = recipe.train

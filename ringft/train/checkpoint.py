@@ -39,6 +39,12 @@ STATE_FILE = "trainer_state.json"
 EXACT_KEYS = ("model.", "data.", "train.micro_batch_size", "train.grad_accum", "train.seed", "lora")
 # Compared for nothing: where the run writes, how it logs, which attention kernel computes the ring.
 IGNORED_KEYS = ("checkpoint.output_dir", "logging.", "model.attn_backend")
+# Warned with the reason the run still continues: the data order depends on dp (not on how a CP
+# group is split) and the weights do not depend on the layout at all.
+CARRIED_OVER = {
+    "parallel.ulysses_size": "weights, optimizer state and data order carry over: the split of a CP group "
+    "only moves tokens between the ranks of a replica (sums reorder at fp32 round-off)",
+}
 
 
 def _step_of(folder: Path) -> int:
@@ -145,7 +151,8 @@ def compare_recipes(saved: dict[str, Any], state: dict[str, Any]) -> tuple[list[
         a, b = old.get(key, "unset"), new.get(key, "unset")
         if key.startswith(IGNORED_KEYS) or a == b:
             continue
-        (refused if key.startswith(EXACT_KEYS) else warned).append(f"{key} {a!r} -> {b!r}")
+        note = f" ({CARRIED_OVER[key]})" if key in CARRIED_OVER else ""
+        (refused if key.startswith(EXACT_KEYS) else warned).append(f"{key} {a!r} -> {b!r}{note}")
     return refused, warned
 
 

@@ -1,9 +1,11 @@
 """The training loop: CP (the ring) x DP under Accelerate, DeepSpeed or FSDP.
 
-Layout: world = dp x cp, CP ranks contiguous. All CP ranks of a replica read the same examples and
-each keeps its zigzag shard; replicas read different examples (``train/data.py``). Each rank's loss
-is its share of the step's mean token loss (``ringft.loss.loss_normalization``), so the update
-equals the one-process update on the same global batch.
+Layout: world = dp x cp, CP ranks contiguous, and cp = ulysses x ring (``parallel.ulysses_size``;
+Ulysses groups contiguous inside a CP group). All CP ranks of a replica read the same examples and
+each keeps its shard (zigzag over the ring, cut into ``ulysses_size`` pieces); replicas read
+different examples (``train/data.py``). Each rank's loss is its share of the step's mean token loss
+(``ringft.loss.loss_normalization``), so the update equals the one-process update on the same
+global batch.
 
 Order of work in :class:`Trainer`: everything that can be refused is checked first, on every rank
 (recipe vs world size, tokenizer vs model config, the data), then the output folder is locked and
@@ -27,7 +29,7 @@ import torch.distributed as dist
 
 from ringft.data.collator import RingDataCollator
 from ringft.loss import CausalLMLoss, loss_normalization
-from ringft.ops.parallel import build_layout
+from ringft.ops.hybrid_layout import build_hybrid_layout
 from ringft.ops.validate import PeerFailed, run_together
 from ringft.train import checkpoint as ckpt
 from ringft.train.build import (
@@ -132,7 +134,8 @@ class Trainer:
         if self.kind == DEEPSPEED:
             configure_deepspeed(acc, recipe, world)
         self.device = acc.device
-        self.layout = build_layout(recipe.parallel.cp_size, self.device.type)
+        p = recipe.parallel
+        self.layout = build_hybrid_layout(p.cp_size, p.ulysses_size, self.device.type)
         torch.manual_seed(t.seed)
         self.tokenizer = build_tokenizer(recipe)
         config = model_config(recipe, len(self.tokenizer))
@@ -142,7 +145,7 @@ class Trainer:
             acc.print(note)
         with model_construction(acc, self.kind):
             model = build_model(recipe, len(self.tokenizer), config)
-        self.model = prepare_for_training(model, recipe, self.layout.cp_group)
+        self.model = prepare_for_training(model, recipe, self.layout)
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
         self.collator = RingDataCollator(
@@ -151,6 +154,7 @@ class Trainer:
             pad_token_id=pad,
             max_length=recipe.data.seq_len,
             document_masking=recipe.data.document_masking,  # positions restart per document: the ring masks
+            ulysses_size=self.layout.ulysses_size,
         )
         groups = decay_parameter_groups(self.model, t.weight_decay)
         self.masters = MasterWeights(groups) if self.kind == DDP and needs_master_weights(groups) else None
@@ -286,7 +290,7 @@ class Trainer:
             self.recipe.to_dict(),
             self.tokenizer,
             self.recipe.checkpoint.output_dir,
-            self.layout.cp_group,
+            self.layout,
             self.recipe.model.attn_backend,
         )
 
@@ -338,8 +342,10 @@ class Trainer:
         acc.end_training()
         tps = tokens_done / wall if wall > 0 else 0.0
         if losses:
+            split = f" = ulysses {self.layout.ulysses_size} x ring {self.layout.ring_size}"
             acc.print(
-                f"ringft: {t.max_steps} steps (dp={self.layout.dp_size} x cp={self.layout.cp_size}), "
+                f"ringft: {t.max_steps} steps (dp={self.layout.dp_size} x cp={self.layout.cp_size}"
+                f"{split if self.layout.ulysses_size > 1 else ''}), "
                 f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {tps:,.0f} tokens/s, "
                 f"peak {peak_memory_gb(self.device):.2f} GB/rank, model saved to {final}"
             )

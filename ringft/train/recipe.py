@@ -20,7 +20,9 @@ import yaml
 
 from ringft.model.rope import rope_problem
 from ringft.ops.backends import BACKENDS
+from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.sharding import zigzag_length_problem
+from ringft.ops.ulysses import heads_problem
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list
 
@@ -163,10 +165,17 @@ class DataConfig(Section):
 
 @dataclass
 class ParallelConfig(Section):
-    """``parallel``: ranks per ring (dp = world size / cp_size)."""
+    """``parallel``: ranks per CP group (dp = world size / cp_size); ``ulysses_size`` > 1 splits it
+    as Ulysses x ring (2D context parallelism; it must divide cp_size and the query heads)."""
 
     NAME = "parallel"
     cp_size: int = integer(1, lo=1)
+    ulysses_size: int = integer(1, lo=1)
+
+    def check(self) -> None:
+        problem = ulysses_size_problem(self.cp_size, self.ulysses_size)
+        if problem:
+            raise RecipeError(f"parallel.{problem}")
 
 
 @dataclass
@@ -263,6 +272,12 @@ class Recipe:
         )
         if rope:
             raise RecipeError(rope)
+        # (model.config's heads are known here; a pretrained model's: build.model_config)
+        heads = self.model.config.get("num_attention_heads") if isinstance(self.model.config, dict) else None
+        if isinstance(heads, int) and p.ulysses_size > 1:
+            problem = heads_problem(heads, p.ulysses_size, p.cp_size)
+            if problem:
+                raise RecipeError(f"parallel.ulysses_size: {problem}")
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain data (what YAML holds; ``betas`` as a list)."""

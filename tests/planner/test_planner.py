@@ -90,6 +90,31 @@ def test_tiny_config_full_plan_by_hand():
     assert unchunked.total == 16 * 1704 + 1536 + 2176 + 12 * 32 * 32
 
 
+def test_hybrid_plan_by_hand():
+    """Ulysses x ring (``ulysses_size``): ulysses 1 is the ring's plan exactly; ulysses 2 on TINY
+    (nh 2, nkv 1: each K/V head sent twice, nkv' = 2) keeps the head shards and o_proj's copy of the
+    output, and holds the backward all-to-all's four buffers; the ring buffers exist with ring > 1."""
+    ring = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0)
+    assert (
+        plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, ulysses_size=1).as_dict() == ring.as_dict()
+    )
+    plan = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, ulysses_size=2)  # T = 32, a = 2
+    d = plan.details
+    assert d["layer_saved.attention"] == 32 * (2 * (3 * 8 + 2 * 2 * 4) + 4 * 2)
+    assert d["layer_ws.ring_buffers"] == 0  # ring 1: pure Ulysses
+    assert d["layer_ws.attention_kernel"] == 32 * (16 + 2 * 2 * 8 + 4 * 8 + 16)  # no GQA expansion
+    assert d["layer_ws.all_to_all_buffers"] == 4 * 2 * 32 * (8 + 2 * 2 * 4) == 6144
+    assert d["layer_ws.attention_phase"] == 32 * 68 + 32 * 88 + max(32 * 96, 6144) + 2048
+    both = plan_memory(TINY, 128, 4, 1.0, cp_size=4, overhead_gib=0, ulysses_size=2)  # ring 2, T = 32
+    assert both.details["layer_ws.ring_buffers"] == 4 * 32 * 8 + 4 * 2 * 32 * 8 + 16 * 32 * 8
+    assert "(ulysses 2 x ring 2)" in format_plan(both) and "all-to-all buffers 0.00 GiB" in format_plan(both)
+    with pytest.raises(ValueError, match=r"query heads \(32\) are not divisible by ulysses_size=3.*\[1, 2\]"):
+        plan_memory("llama-3-8b", 6 * 1024, 6, 80, cp_size=6, ulysses_size=3)
+    with pytest.raises(ValueError, match=r"ulysses_size=3 does not divide cp_size=4"):
+        plan_memory(TINY, 64, 4, 1.0, cp_size=4, ulysses_size=3)
+    assert {p.setup.cp_size for p in plan_layouts(TINY, 64, 4, 1.0, ulysses_size=2)} == {2, 4}
+
+
 def test_tiny_config_zero_lora_and_offload_by_hand():
     z3 = plan_memory(TINY, 64, 4, 1.0, cp_size=2, zero_stage=3, overhead_gib=0)
     assert (z3.weights, z3.grads, z3.optimizer) == (2 * 1704 // 4, 2 * 1704 // 4, 12 * 1704 // 4)

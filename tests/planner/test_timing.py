@@ -120,3 +120,13 @@ def test_plan_cli_time(capsys):
     assert [(r["ulysses"], r["ring"], r["recommended"]) for r in rows] == [(1, 16, True)]
     assert plan_main([*argv, "--time", "--ib-gbps", "0"]) == 2
     assert "--ib-gbps 0 must be > 0" in capsys.readouterr().out
+    # The memory plan of the recommended hybrid (--ulysses-size), and its refusals.
+    assert plan_main([*argv, "--zero", "3", "--cp", "16", "--ulysses-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "cp 16 (ulysses 8 x ring 2)" in out and "all-to-all buffers" in out
+    assert plan_main([*argv, "--cp", "16", "--ulysses-size", "3"]) == 2
+    out = capsys.readouterr().out
+    assert (
+        "--ulysses-size 3 does not divide --gpus 16" in out
+        and "--ulysses-size 3 does not divide --cp 16" in out
+    )

@@ -186,6 +186,41 @@ def test_lora_recipe(tmp_path):
     assert tokens_per_step(build(LORA, tmp_path, ["--train.grad_accum", "1"]), 16) == ONE_MILLION
 
 
+HYBRID = "--parallel.cp_size 16 --parallel.ulysses_size 8"  # the 2-node Ulysses x ring option
+
+
+@pytest.mark.parametrize("name", [LORA, STAGED["llama3_8b_512k"][3], STAGED["mistral_7b_512k"][3]])
+def test_two_node_hybrid_option(name, tmp_path):
+    """The documented 2-node override (2node_8gpu.yaml, the LoRA recipe, recipes/README.md) loads for
+    the config's 16 processes as one CP group of ulysses 8 (a node) x ring 2, 32K tokens per GPU
+    and ~1M tokens per step; 8 divides both models' 32 query heads."""
+    for doc in (ACCEL / "2node_8gpu.yaml", RECIPES / LORA, RECIPES / "README.md"):
+        assert HYBRID in " ".join(doc.read_text().split()), doc
+    r = build(name, tmp_path, HYBRID.split())
+    validate(r, world_size=num_processes("2node_8gpu.yaml"))
+    assert (r.parallel.cp_size, r.parallel.ulysses_size) == (16, 8)
+    assert r.data.seq_len // r.parallel.cp_size == 32768
+    assert tokens_per_step(r, 16) == ONE_MILLION
+
+
+def test_lora_wrapper_prints_the_two_node_hybrid(tmp_path):
+    """run_lora.sh with the 2-node config and the hybrid override: accelerate knows the launch, the
+    recipe loads with the overrides."""
+    root = _copy_recipes(tmp_path)
+    out = _run_wrapper(
+        root,
+        "llama3_8b_512k/run_lora.sh",
+        "--model.name_or_path",
+        "meta-llama/Meta-Llama-3-8B",
+        *HYBRID.split(),
+        ACCELERATE_CONFIG="recipes/accelerate/2node_8gpu.yaml",
+        LAUNCH_ARGS="--main_process_ip 10.0.0.1 --machine_rank 1",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--config_file recipes/accelerate/2node_8gpu.yaml" in out.stdout and HYBRID in out.stdout
+    _check_printed(out.stdout, tmp_path)
+
+
 @pytest.mark.parametrize("name", STAGED["mistral_7b_512k"])
 def test_mistral_disables_sliding_window(name):
     raw = raw_recipe(name)

@@ -456,6 +456,12 @@ def test_resume_differences_refused_or_warned(tmp_path):
             check_resumable(folder, {**state, "recipe": recipe_from_dict(changed).to_dict()})
     with pytest.raises(RecipeError, match=r"world size 2 -> 4; dp size 2 -> 4"):
         check_resumable(folder, {**state, "world_size": 4, "dp_size": 4})
+    # Another split of the same CP group: weights and data order carry over (warned, not refused).
+    split = tiny_recipe(tmp_path / "out", tmp_path, parallel={"cp_size": 2, "ulysses_size": 2})
+    same_cp = tiny_recipe(tmp_path / "out", tmp_path, parallel={"cp_size": 2})
+    folder = _fake_checkpoint(tmp_path, 6, recipe_from_dict(same_cp).to_dict())
+    (warning,) = check_resumable(folder, {**state, "recipe": recipe_from_dict(split).to_dict()})
+    assert "parallel.ulysses_size 1 -> 2 (weights, optimizer state and data order carry over" in warning
 
 
 def test_metrics_rewrite_after_resume(tmp_path):

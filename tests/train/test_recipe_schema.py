@@ -58,6 +58,8 @@ BAD_VALUES = [
     ("data", "too_long", "cut", ["data.too_long", "fail, truncate, drop"]),
     ("data", "shuffle", "no", ["data.shuffle", "true or false"]),
     ("parallel", "cp_size", 0, ["parallel.cp_size", ">= 1"]),
+    ("parallel", "ulysses_size", 0, ["parallel.ulysses_size", ">= 1"]),
+    ("parallel", "ulysses_size", "2", ["parallel.ulysses_size", "without quotes"]),
     ("model", "dtype", "fp16", ["model.dtype", "bf16, fp32"]),
     ("model", "attn_backend", "flash", ["model.attn_backend", "torch"]),
     ("model", "rope_theta", -1e6, ["model.rope_theta", "> 0"]),
@@ -99,6 +101,31 @@ def test_cross_field_checks(tmp_path):
         )
     with pytest.raises(RecipeError, match="no 'data' section"):
         recipe_from_dict({"model": {"config": {}, "tokenizer": "demo"}})
+
+
+def test_ulysses_size_divides_cp_size_and_the_query_heads(tmp_path, monkeypatch):
+    """parallel.ulysses_size: checked at load against cp_size and (model.config) the query heads,
+    each refusal naming the sizes that work; a pretrained model's heads with its config."""
+    recipe = recipe_from_dict(_raw(tmp_path, parallel={"cp_size": 4, "ulysses_size": 2}))
+    assert (recipe.parallel.cp_size, recipe.parallel.ulysses_size) == (4, 2)
+    with pytest.raises(RecipeError, match=r"parallel.ulysses_size=3 does not divide cp_size=4.*\[1, 2, 4\]"):
+        recipe_from_dict(_raw(tmp_path, parallel={"cp_size": 4, "ulysses_size": 3}))
+    model = {"config": {**_raw(tmp_path)["model"]["config"], "num_attention_heads": 6, "hidden_size": 48}}
+    with pytest.raises(
+        RecipeError, match=r"query heads \(6\) are not divisible by ulysses_size=4.*\[1, 2\]$"
+    ):
+        recipe_from_dict(_raw(tmp_path, model=model, parallel={"cp_size": 8, "ulysses_size": 4}))
+    from ringft.train.build import model_config
+
+    raw = _raw(tmp_path, parallel={"cp_size": 4, "ulysses_size": 4})
+    config = {k: v for k, v in raw["model"]["config"].items() if k != "num_attention_heads"}  # default 32
+    recipe = recipe_from_dict({**raw, "model": {**raw["model"], "config": config}})
+    assert model_config(recipe).num_attention_heads == 32  # 32 heads, ulysses 4: fine
+    monkeypatch.setattr(recipe.parallel, "ulysses_size", 3)
+    monkeypatch.setattr(recipe.parallel, "cp_size", 3)
+    monkeypatch.setattr(recipe.data, "seq_len", 66)
+    with pytest.raises(RecipeError, match=r"parallel.ulysses_size: query heads \(32\).*ulysses_size=3"):
+        model_config(recipe)
 
 
 def test_synthetic_section_is_typed_and_strict(tmp_path):

@@ -179,7 +179,11 @@ def test_dp_cp_matches_one_process(tmp_path, data_path, packed_data_path):
 
     Document masking: (dp=2, cp=2) on packed rows with ``data.document_masking`` == one process
     training on the same documents one per row (12 rows = the documents of a step's 4 packed rows;
-    no shuffling, so both read the documents in the same steps)."""
+    no shuffling, so both read the documents in the same steps).
+
+    Ulysses x ring in the same spawn (``parallel.ulysses_size``): dp 1 x (ulysses 2 x ring 2) with
+    the micro batch of 4 against the same one-process run, and dp 2 x (ulysses 2 x ring 1) on the
+    packed rows against the one-process documents run; same tolerances."""
     ring = tiny_recipe(tmp_path / "dp2cp2", data_path, parallel={"cp_size": 2}, train={"chunked_loss": True})
     single = tiny_recipe(tmp_path / "one", data_path, train={"micro_batch_size": 4})
     packed, separate = packed_data_path
@@ -196,27 +200,36 @@ def test_dp_cp_matches_one_process(tmp_path, data_path, packed_data_path):
         data={"shuffle": False},
         train={"micro_batch_size": DOCS_PER_ROW * 4},
     )
-    runs = [{"recipe": ring}, {"recipe": docs_ring}]
+    hybrid = tiny_recipe(
+        tmp_path / "u2r2",
+        data_path,
+        parallel={"cp_size": 4, "ulysses_size": 2},
+        train={"micro_batch_size": 4, "chunked_loss": True},
+    )
+    docs_hybrid = tiny_recipe(
+        tmp_path / "docs-dp2u2",
+        packed,
+        data={"shuffle": False, "document_masking": True},
+        parallel={"cp_size": 2, "ulysses_size": 2},
+    )
+    runs = [{"recipe": ring}, {"recipe": docs_ring}, {"recipe": hybrid}, {"recipe": docs_hybrid}]
     got = run_distributed(train_runs, 4, runs, str(tmp_path / "four"), timeout=RUN_TIMEOUT)
     runs = [{"recipe": single}, {"recipe": docs_single}]
     ref = run_distributed(train_runs, 1, runs, str(tmp_path / "one-proc"), timeout=RUN_TIMEOUT)
-    for i, rtol in ((0, LOSS_RTOL), (1, DOC_LOSS_RTOL)):
-        ref_losses = ref[0][i]["losses"]
+    for i, j, rtol in ((0, 0, LOSS_RTOL), (1, 1, DOC_LOSS_RTOL), (2, 0, LOSS_RTOL), (3, 1, DOC_LOSS_RTOL)):
+        ref_losses = ref[0][j]["losses"]
         assert len(ref_losses) == STEPS
         for rank, per_run in enumerate(got):
             assert per_run[i]["losses"] == pytest.approx(ref_losses, rel=rtol), f"run {i} rank {rank}"
-    assert_updates_close(
-        final_weights(tmp_path / "dp2cp2"),
-        final_weights(tmp_path / "one"),
-        initial_weights(single),
-        UPDATE_RTOL,
-    )
-    assert_updates_close(
-        final_weights(tmp_path / "docs-dp2cp2"),
-        final_weights(tmp_path / "docs-one"),
-        initial_weights(docs_single),
-        DOC_UPDATE_RTOL,
-    )
+    for name, reference, raw, rtol in (
+        ("dp2cp2", "one", single, UPDATE_RTOL),
+        ("docs-dp2cp2", "docs-one", docs_single, DOC_UPDATE_RTOL),
+        ("u2r2", "one", single, UPDATE_RTOL),
+        ("docs-dp2u2", "docs-one", docs_single, DOC_UPDATE_RTOL),
+    ):
+        assert_updates_close(
+            final_weights(tmp_path / name), final_weights(tmp_path / reference), initial_weights(raw), rtol
+        )
 
 
 @pytest.fixture(scope="module")
