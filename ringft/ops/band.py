@@ -21,7 +21,7 @@ How a backend computes a band (:func:`band_forward` / :func:`band_backward`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -59,19 +59,22 @@ class Band:
 
 @dataclass(frozen=True)
 class Strip:
-    """``count`` strips of ``rows`` query rows from row ``r0`` on; strip ``t`` sees keys
-    ``[k0 + t * step, k0 + t * step + keys)``; in strip coordinates row ``i`` sees key ``j`` iff
-    ``0 <= i + offset - j <= window - 1``. ``masked``: some pair of a strip is not visible."""
+    """One kernel call over ``count`` same-shaped pieces: piece ``t`` is query rows ``[r0 + t * step,
+    + rows)`` against keys ``[k0 + t * step, + keys)``; in piece coordinates row ``i`` sees key ``j``
+    iff ``0 <= i + offset - j <= window - 1``. ``masked``: some pair of a piece is not visible;
+    ``primary``: the primary pieces of a band hold every row exactly once (they run first, so they
+    can create a row's result; the others merge into it)."""
 
     r0: int
     count: int
     rows: int
-    k0: int
     step: int
+    k0: int
     keys: int
     offset: int
     window: int
     masked: bool
+    primary: bool
 
 
 def trim_band(band: Band) -> Band | None:
@@ -98,32 +101,74 @@ def band_pairs(band: Band) -> int:
     return total
 
 
+def _band_pieces(band: Band, tile: int) -> list[tuple[int, int, int, int, bool]]:
+    """``(row position, rows, first key, keys, primary)`` covering a trimmed band exactly, by
+    regions between the rows where an edge starts or stops cutting: no edge -> one rectangle; the
+    causal edge only -> a rectangle and a causal triangle; the window's lower edge only -> a
+    rectangle and an anti-causal triangle; both (a narrow band) -> strips of ``tile`` rows over the
+    ``window + tile - 1`` keys they see. Triangles are halved recursively into rectangles down to
+    ``tile``-row tiles (masked), so most of their work runs as large unmasked calls."""
+    w, k0, k1 = band.window, band.k0, band.k1
+    p0, p1 = band.r0 + band.delta, band.r1 + band.delta
+    pieces = []
+
+    def triangle(a: int, b: int, anti: bool) -> None:
+        if b - a <= tile:  # one masked tile: key <= row (causal) or key >= row - w + 1 (anti)
+            pieces.append((a, b - a, a - w + 1 if anti else a, b - a, True))
+            return
+        mid = a + tile * -(-(b - a) // (2 * tile))
+        if anti:  # the first rows see every key of the second half's window start
+            pieces.append((a, mid - a, mid - w + 1, b - mid, False))
+        else:  # the last rows see every key before them
+            pieces.append((mid, b - mid, a, mid - a, False))
+        triangle(a, mid, anti)
+        triangle(mid, b, anti)
+
+    cuts = sorted({p0, p1} | {x for x in (k1, k0 + w - 1) if p0 < x < p1})
+    for s, e in zip(cuts, cuts[1:]):
+        causal, lower = s < k1, s >= k0 + w - 1  # which edges cut these rows
+        if not (causal or lower):
+            pieces.append((s, e - s, k0, k1 - k0, True))
+        elif not lower:  # keys [k0, row]
+            if s > k0:
+                pieces.append((s, e - s, k0, s - k0, False))
+            triangle(s, e, anti=False)
+        elif not causal:  # keys [row - w + 1, k1)
+            if e - w + 1 < k1:
+                pieces.append((s, e - s, e - w + 1, k1 - (e - w + 1), False))
+            triangle(s, e, anti=True)
+        else:  # keys [row - w + 1, row]
+            for a in range(s, e, tile):
+                rows = min(a + tile, e) - a
+                pieces.append((a, rows, a - w + 1, rows + w - 1, True))
+    return pieces
+
+
 @lru_cache(maxsize=256)
 def strip_runs(band: Band, tile: int) -> tuple[Strip, ...]:
-    """Cover a trimmed ``band`` by strips of ``tile`` rows (the last may be shorter), each against
-    the keys its rows see; consecutive strips of one geometry become one batched :class:`Strip`,
-    and unmasked strips over the same keys one taller strip. Cached (every layer asks again)."""
+    """:func:`_band_pieces` of a trimmed ``band`` as kernel calls: pieces of one shape whose rows
+    and keys move on by the same step become one batched :class:`Strip`. Primary calls come first.
+    Cached (every layer, the recomputation and the backward ask again)."""
     w, d = band.window, band.delta
-    plain: list[Strip] = []
-    for a in range(band.r0, band.r1, tile):
-        b = min(a + tile, band.r1)
-        lo, hi = max(band.k0, a + d - w + 1), min(band.k1, b + d)
-        rows, keys, offset = b - a, hi - lo, a + d - lo
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for p, rows, k, keys, primary in _band_pieces(band, tile):
+        offset = p - k
         masked = not (offset >= keys - 1 and rows - 1 + offset <= w - 1)
-        plain.append(Strip(a, 1, rows, lo, 0, keys, offset, w, masked))
-    runs: list[Strip] = []
-    for s in plain:
-        last = runs[-1] if runs else None
-        if last is None:
-            runs.append(s)
-        elif not (s.masked or last.masked) and last.count == 1 and (last.k0, last.keys) == (s.k0, s.keys):
-            runs[-1] = replace(last, rows=last.rows + s.rows)  # one taller unmasked rectangle
-        elif (last.rows, last.keys, last.offset, last.masked) == (s.rows, s.keys, s.offset, s.masked) and (
-            s.r0 == last.r0 + last.count * s.rows  # same geometry one strip further on: keys move along
-        ):
-            runs[-1] = replace(last, count=last.count + 1, step=s.rows)
-        else:
-            runs.append(s)
+        groups.setdefault((not primary, rows, keys, offset, masked), []).append((p - d, k))
+    runs = []
+    for (secondary, rows, keys, offset, masked), items in sorted(groups.items()):
+        items.sort()
+        i = 0
+        while i < len(items):
+            j, step = i + 1, 0
+            while j < len(items):
+                gap = items[j][0] - items[j - 1][0]
+                if gap < rows or (step and gap != step):
+                    break
+                step, j = gap, j + 1
+            first = items[i]
+            runs.append(Strip(first[0], j - i, rows, step, first[1], keys, offset, w, masked, not secondary))
+            i = j
     return tuple(runs)
 
 
@@ -164,28 +209,13 @@ def _strip_mask(rows: int, keys: int, offset: int, window: int, dtype: torch.dty
     return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))[None, None]
 
 
-def _rows(t: Tensor, s: Strip) -> Tensor:
-    """Query-side rows of a strip run: ``(B, n, H, D)`` -> ``(B * count, rows, H, D)``."""
-    part = t[:, s.r0 : s.r0 + s.count * s.rows]
-    return part if s.count == 1 else part.reshape(-1, s.rows, *t.shape[2:])
-
-
-def _keys(t: Tensor, s: Strip) -> Tensor:
-    """Key windows of a strip run ``(B * count, keys, H, D)``: overlapping strided views (no copy
-    for one batch row)."""
+def _pieces(t: Tensor, start: int, length: int, s: Strip, dim: int = 1) -> Tensor:
+    """The ``count`` pieces ``[start + i * step, + length)`` of one batch row ``t`` (``(1, n, H, D)``,
+    or ``(1, H, n)`` with ``dim=2``) as a view ``(count, length, H, D)`` (``(count, H, length)``)."""
     if s.count == 1:
-        return t[:, s.k0 : s.k0 + s.keys]
-    part = t[:, s.k0 : s.k0 + (s.count - 1) * s.step + s.keys]
-    return part.unfold(1, s.keys, s.step).permute(0, 1, 4, 2, 3).reshape(-1, s.keys, *t.shape[2:])
-
-
-def _lse_rows(lse: Tensor, s: Strip) -> Tensor:
-    """``lse (B, H, n)`` rows of a strip run -> ``(B * count, H, rows)``."""
-    part = lse[..., s.r0 : s.r0 + s.count * s.rows]
-    if s.count == 1:
-        return part
-    b, h = lse.shape[:2]
-    return part.reshape(b, h, s.count, s.rows).transpose(1, 2).reshape(-1, h, s.rows)
+        return t.narrow(dim, start, length)
+    part = t.narrow(dim, start, (s.count - 1) * s.step + length).unfold(dim, length, s.step)[0]
+    return part.movedim(-1, 1) if dim == 1 else part.movedim(1, 0)
 
 
 def _put(out: Tensor, lse: Tensor, rows: slice, o: Tensor, l_: Tensor, fresh: bool) -> None:
@@ -231,17 +261,9 @@ def band_forward(
         _put(out, lse, r, o, l_, fresh)
         return
     if kind == "strips":
-        for s in strip_runs(band, kernel.band_tile(q, band.window)):
-            qs, ks, vs = _rows(q, s), _keys(k, s), _keys(v, s)
-            if s.masked:
-                mask = _strip_mask(s.rows, s.keys, s.offset, s.window, q.dtype, q.device)
-                o, l_ = kernel.forward_masked(qs, ks, vs, mask, softmax_scale)
-            else:
-                o, l_ = kernel.forward(qs, ks, vs, False, softmax_scale)
-            b = q.shape[0]
-            o = o.reshape(b, s.count * s.rows, *o.shape[2:])
-            l_ = l_.reshape(b, s.count, l_.shape[1], s.rows).transpose(1, 2).reshape(b, l_.shape[1], -1)
-            _put(out, lse, slice(s.r0, s.r0 + s.count * s.rows), o, l_, fresh)
+        for row in range(q.shape[0]):  # one batch row at a time: the pieces are views of it
+            b = slice(row, row + 1)
+            _strips_forward(kernel, q[b], k[b], v[b], out[b], lse[b], band, softmax_scale, fresh)
         return
     written = set()
     for q0, q1, k0, k1, piece in square_pieces(band, square_tile):
@@ -285,26 +307,11 @@ def band_backward(
         dv[:, c] += gv
         return
     if kind == "strips":
-        acc = accumulator_dtype(q.dtype)
-        for s in strip_runs(band, kernel.band_tile(q, band.window)):
-            args = (_rows(dout, s), _rows(q, s), _keys(k, s), _keys(v, s), _rows(out, s), _lse_rows(lse, s))
-            if s.masked:
-                mask = _strip_mask(s.rows, s.keys, s.offset, s.window, q.dtype, q.device)
-                gq, gk, gv = kernel.backward_masked(*args, mask, softmax_scale)
-            else:
-                gq, gk, gv = kernel.backward(*args, False, softmax_scale)
-            b = q.shape[0]
-            dq[:, s.r0 : s.r0 + s.count * s.rows] += gq.reshape(b, -1, *gq.shape[2:])
-            if s.count == 1:
-                dk[:, s.k0 : s.k0 + s.keys] += gk
-                dv[:, s.k0 : s.k0 + s.keys] += gv
-                continue
-            # Overlapping key windows: sum each window's gradient back into place.
-            index = (s.k0 + torch.arange(s.count)[:, None] * s.step + torch.arange(s.keys)).flatten()
-            index = index.to(dk.device)
-            for grad, g in ((dk, gk), (dv, gv)):
-                flat = g.to(acc).reshape(b, -1, g.shape[2] * g.shape[3])
-                grad.view(b, grad.shape[1], -1).index_add_(1, index, flat)
+        for row in range(q.shape[0]):
+            b = slice(row, row + 1)
+            _strips_backward(
+                kernel, dout[b], q[b], k[b], v[b], out[b], lse[b], dq[b], dk[b], dv[b], band, softmax_scale
+            )
         return
     for q0, q1, k0, k1, piece in square_pieces(band, square_tile):
         args = (dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1])
@@ -315,3 +322,47 @@ def band_backward(
         dq[:, q0:q1] += gq
         dk[:, k0:k1] += gk
         dv[:, k0:k1] += gv
+
+
+def _strips_forward(kernel, q, k, v, out, lse, band: Band, softmax_scale: float, fresh: bool) -> None:
+    """:func:`band_forward` of one batch row by :func:`strip_runs` (masked calls where needed)."""
+    for s in strip_runs(band, kernel.band_tile(q, band.window)):
+        qs = _pieces(q, s.r0, s.rows, s).reshape(-1, s.rows, *q.shape[2:])
+        ks, vs = (_pieces(t, s.k0, s.keys, s).reshape(-1, s.keys, *t.shape[2:]) for t in (k, v))
+        if s.masked:
+            mask = _strip_mask(s.rows, s.keys, s.offset, s.window, q.dtype, q.device)
+            o, l_ = kernel.forward_masked(qs, ks, vs, mask, softmax_scale)
+        else:
+            o, l_ = kernel.forward(qs, ks, vs, False, softmax_scale)
+        out_view, lse_view = _pieces(out, s.r0, s.rows, s), _pieces(lse, s.r0, s.rows, s, dim=2)
+        if fresh and s.primary:  # (count, rows, H, D) and (count, H, rows) views of the accumulators
+            out_view.copy_(o)
+            lse_view.copy_(l_)
+        else:
+            merge_attention_(out_view, lse_view, o, l_)
+
+
+def _strips_backward(kernel, dout, q, k, v, out, lse, dq, dk, dv, band: Band, softmax_scale: float) -> None:
+    """:func:`band_backward` of one batch row by :func:`strip_runs`."""
+    acc = accumulator_dtype(q.dtype)
+    for s in strip_runs(band, kernel.band_tile(q, band.window)):
+        rows = [_pieces(t, s.r0, s.rows, s).reshape(-1, s.rows, *t.shape[2:]) for t in (dout, q)]
+        ks, vs = (_pieces(t, s.k0, s.keys, s).reshape(-1, s.keys, *t.shape[2:]) for t in (k, v))
+        os_ = _pieces(out, s.r0, s.rows, s).reshape(-1, s.rows, *out.shape[2:])
+        ls = _pieces(lse, s.r0, s.rows, s, dim=2).reshape(-1, lse.shape[1], s.rows)
+        if s.masked:
+            mask = _strip_mask(s.rows, s.keys, s.offset, s.window, q.dtype, q.device)
+            gq, gk, gv = kernel.backward_masked(*rows, ks, vs, os_, ls, mask, softmax_scale)
+        else:
+            gq, gk, gv = kernel.backward(*rows, ks, vs, os_, ls, False, softmax_scale)
+        dq_view = _pieces(dq, s.r0, s.rows, s)
+        dq_view += gq.reshape(dq_view.shape)
+        if s.count == 1:
+            dk[:, s.k0 : s.k0 + s.keys] += gk
+            dv[:, s.k0 : s.k0 + s.keys] += gv
+            continue
+        # Key windows may overlap: add each piece's gradient back into place.
+        index = s.k0 + torch.arange(s.count)[:, None] * s.step + torch.arange(s.keys)
+        index = index.flatten().to(dk.device)
+        for grad, g in ((dk, gk), (dv, gv)):
+            grad.view(grad.shape[1], -1).index_add_(0, index, g.to(acc).reshape(-1, g.shape[2] * g.shape[3]))

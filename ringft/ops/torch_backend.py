@@ -28,10 +28,9 @@ __all__ = [
 # masked call) plus rectangles (see TorchBackend.causal_tile).
 CPU_CAUSAL_TILE = 64
 
-# Sliding-window bands on CPU run as strips of this many query rows (twice as many for windows
-# wider than CPU_BAND_WIDE), see TorchBackend.band_tile.
+# Sliding-window bands on CPU run as masked strips and tiles of this many query rows plus unmasked
+# rectangles (see TorchBackend.band_tile).
 CPU_BAND_TILE = 64
-CPU_BAND_WIDE = 2048
 
 # The efficient-attention kernel stores its lse with the sequence dim rounded up to this multiple
 # (kAlignLSE in aten/src/ATen/native/transformers/cuda/mem_eff_attention) and its backward reads
@@ -83,16 +82,16 @@ class TorchBackend:
 
     @staticmethod
     def band_tile(q: Tensor, window: int) -> int | None:
-        """Query rows per strip of a sliding-window band (:mod:`ringft.ops.band`), or None.
+        """Rows per strip / triangle tile of a sliding-window band (:mod:`ringft.ops.band`), or None.
 
-        CPU: a strip of ``tile`` rows computes ``window + tile - 1`` keys per row for ``window``
-        useful ones (the masked key range costs in full), while the backward slows on strips of
-        fewer than 64 rows; ``CPU_BAND_TILE`` balances the two (benchmarks/bench_windows.py). CUDA:
-        None (unmasked and causal calls; the CUDA kernels skip masked tiles themselves).
+        CPU: the fused kernel computes a masked block in full and runs small query blocks slower
+        (its backward most), so a band is cut into masked strips and tiles of ``CPU_BAND_TILE``
+        rows (``tile - 1`` wasted keys per row, about ``tile / 2`` at each edge) and large unmasked
+        rectangles; 32 and 128 measured no better than 64 at windows 512 and 4096
+        (benchmarks/bench_windows.py). CUDA: None (unmasked and causal calls; the CUDA kernels skip
+        masked tiles themselves).
         """
-        if q.device.type != "cpu":
-            return None
-        return CPU_BAND_TILE if window <= CPU_BAND_WIDE else 2 * CPU_BAND_TILE
+        return CPU_BAND_TILE if q.device.type == "cpu" else None
 
     @staticmethod
     def forward_masked(

@@ -119,25 +119,28 @@ def _want(band: Band) -> set[tuple[int, int]]:
 
 
 def test_band_covers_are_exact():
-    """Strips (CPU torch), squares (no mask) and flash-attn window calls cover every visible pair of
-    a band exactly once, never an invisible one, and never give a kernel a row without a key."""
+    """CPU calls (strips, triangles halved into rectangles), squares (no mask) and flash-attn window
+    calls cover every visible pair of a band exactly once, never an invisible one, and never give a
+    kernel a row without a key; the primary CPU pieces hold each row once."""
     for band in _random_bands(0, 400):
         want = _want(band)
         assert len(want) == band_pairs(band)
         rows_seen = {i for i, _ in want}
         assert rows_seen == set(range(band.r0, band.r1))  # trimmed: every row sees a key
         for tile in (1, 2, 3, 5, 64):
-            got = []
+            got, primary = [], []
             for s in strip_runs(band, tile):
                 for t in range(s.count):
                     for i in range(s.rows):
-                        row = s.r0 + t * s.rows + i
+                        row = s.r0 + t * s.step + i
                         keys = [s.k0 + t * s.step + j for j in range(s.keys)]
                         vis = [key for j, key in enumerate(keys) if 0 <= i + s.offset - j < s.window]
-                        assert vis, (band, tile, s)
+                        assert vis, (band, tile, s)  # no fully masked row reaches a kernel
                         assert s.masked or len(vis) == len(keys)
                         got += [(row, key) for key in vis]
+                        primary += [row] if s.primary else []
             assert sorted(got) == sorted(want), (band, tile)
+            assert sorted(primary) == list(range(band.r0, band.r1)), (band, tile)  # each row once
             got = []
             for q0, q1, x0, x1, kind in square_pieces(band, tile):
                 if kind != "full":
