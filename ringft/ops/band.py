@@ -6,17 +6,21 @@ of the k block at position ``j``; a row sees key ``j`` iff ``0 <= (i + delta) - 
 :class:`Band` names rows ``[r0, r1)`` and keys ``[k0, k1)``; :func:`trim_band` drops the rows that
 see none of those keys and the keys no row sees, so no kernel ever gets a fully masked row.
 
-How a backend computes a band (:func:`band_forward` / :func:`band_backward`):
+How a backend computes a band (:func:`band_forward` / :func:`band_backward`): the rows fall into
+regions by which edges cut them -- none (a rectangle), the causal edge only (a causal triangle
+beside a rectangle), the window's lower edge only (an anti-causal triangle beside a rectangle),
+both (a narrow band: each row sees exactly ``window`` keys) -- and
 
-- :class:`~ringft.ops.backends.WindowAttention` (flash-attn's ``window_size``, the reference's
-  mask): one native call;
+- a :class:`~ringft.ops.backends.WindowAttention` (flash-attn's ``window_size``, the reference's
+  mask) takes the band in one native call;
 - a :class:`~ringft.ops.backends.MaskedTileAttention` with a ``band_tile`` (torch on CPU, whose
-  fused kernel computes a masked block in full): *strips* of ``tile`` query rows, each against
-  only the keys its rows can see, masked only at the band's edges; strips with the same geometry
-  run as one batched call over overlapping (strided, uncopied) key windows, so time follows FLOPs:
-  ``tile`` wasted keys per row next to ``window`` useful ones;
-- anything else (torch on CUDA): unmasked rectangles, causal squares, and *anti-causal* squares
-  (the window's lower edge), which are causal squares on rows and keys taken in reverse order.
+  fused kernel computes a masked block in full) gets :func:`strip_runs`: triangles halved into
+  large unmasked rectangles down to masked tiles of ``tile`` rows, narrow bands as masked strips
+  of ``tile`` rows against the ``window + tile - 1`` keys they see; pieces of one shape run as
+  one batched call over strided (uncopied) views, so time follows FLOPs up to ``tile`` wasted keys
+  per row (about half a tile at each edge);
+- anything else (torch on CUDA) gets :func:`square_pieces`: unmasked rectangles, causal squares,
+  and anti-causal squares, which are causal squares on rows and keys in reverse order.
 """
 
 from __future__ import annotations
@@ -176,28 +180,35 @@ def strip_runs(band: Band, tile: int) -> tuple[Strip, ...]:
 def square_pieces(band: Band, tile: int) -> tuple[tuple[int, int, int, int, str], ...]:
     """Cover a trimmed ``band`` exactly by pieces ``(q0, q1, k0, k1, kind)`` (local indices) with
     ``kind`` ``"full"`` (every pair visible), ``"causal"`` (a square, key <= query) or ``"anti"``
-    (a square, key >= query: the window's lower edge). Rows are cut into tiles of at most
-    ``min(tile, window - 1)`` where an edge crosses them; rows no edge crosses form one rectangle."""
+    (a square, key >= query: the window's lower edge), for kernels that skip masked tiles
+    themselves: where one edge cuts, one square and one rectangle; where both cut (a narrow band),
+    rows in tiles of at most ``min(tile, window - 1)``, each a causal and an anti square and the
+    rectangle between them."""
     w, d = band.window, band.delta
     p0, p1, k0, k1 = band.r0 + d, band.r1 + d, band.k0, band.k1
     step = 1 if w == 1 else max(1, min(tile, w - 1))
     cuts = sorted({p0, p1} | {x for x in (k1, k0 + w - 1) if p0 < x < p1})
     pieces = []
     for s, e in zip(cuts, cuts[1:]):
-        causal_cut = s < k1  # rows before k1 see keys up to themselves
-        lower_cut = s >= k0 + w - 1  # rows from k0 + w - 1 on see keys from p - w + 1 on
-        if not (causal_cut or lower_cut):
+        causal, lower = s < k1, s >= k0 + w - 1  # rows before k1 see keys up to themselves;
+        if not (causal or lower):  # rows from k0 + w - 1 on see keys from p - w + 1 on
             pieces.append((s - d, e - d, k0, k1, "full"))
-            continue
-        for a in range(s, e, step):
-            b = min(a + step, e)
-            if causal_cut:
+        elif not lower:
+            pieces.append((s - d, e - d, s, e, "causal"))
+            if s > k0:
+                pieces.append((s - d, e - d, k0, s, "full"))
+        elif not causal:
+            pieces.append((s - d, e - d, s - w + 1, e - w + 1, "anti"))
+            if e - w + 1 < k1:
+                pieces.append((s - d, e - d, e - w + 1, k1, "full"))
+        else:
+            for a in range(s, e, step):
+                b = min(a + step, e)
                 pieces.append((a - d, b - d, a, b, "causal"))
-            if lower_cut and not (causal_cut and w == 1):  # w == 1: the 1x1 causal square is all
-                pieces.append((a - d, b - d, a - w + 1, b - w + 1, "anti"))
-            x0, x1 = (b - w + 1 if lower_cut else k0), (a if causal_cut else k1)
-            if x0 < x1:
-                pieces.append((a - d, b - d, x0, x1, "full"))
+                if w > 1:  # w == 1: the 1x1 causal square is all
+                    pieces.append((a - d, b - d, a - w + 1, b - w + 1, "anti"))
+                if b - w + 1 < a:
+                    pieces.append((a - d, b - d, b - w + 1, a, "full"))
     return tuple(pieces)
 
 

@@ -373,3 +373,30 @@ def check_window_results(results: list[dict], world: int) -> None:
             if w <= c:  # one chunk of history: only the neighbours, at most one chunk each way
                 assert all(abs(p - rank) == 1 for p, _, _ in fwd), tag
                 assert sum(n for _, n, _ in fwd) <= 2 * 2 * c * hkv * DIM * 2, tag
+
+
+@pytest.mark.numerics
+def test_decode_honours_each_layers_window():
+    """ShardedKVCache: decode steps of a layer with a window and one without (per-layer windows, as
+    Gemma 3 interleaves them) against fp64 windowed attention over prompt + generated tokens."""
+    from ringft.ops.decode import ShardedKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    prompt, steps, window = 11, 5, 4
+    k = torch.randn(2, 1, prompt + steps, 2, DIM, generator=gen)  # (layer, batch, seq, heads, dim)
+    v = torch.randn(2, 1, prompt + steps, 2, DIM, generator=gen)
+    q = torch.randn(2, 1, prompt + steps, 4, DIM, generator=gen)
+    cache = ShardedKVCache(list(range(prompt)), prompt, owner=True)
+    for layer in (0, 1):
+        cache.store_prefill(layer, k[layer, :, :prompt], v[layer, :, :prompt])
+    for t in range(prompt, prompt + steps):
+        for layer, w in ((0, window), (1, None)):
+            got = cache.decode_attention(
+                layer, q[layer, :, t : t + 1], k[layer, :, t : t + 1], v[layer, :, t : t + 1],
+                softmax_scale=None, group=None, backend="torch", sliding_window=w,
+            )  # fmt: skip
+            want, _ = windowed_attention_fp64(
+                q[layer, :, : t + 1], k[layer, :, : t + 1], v[layer, :, : t + 1], w or t + 1
+            )
+            assert _rel(got, want[:, t : t + 1]) < FP32_REL, (layer, t)
+        cache.advance()
