@@ -129,8 +129,10 @@ class ShardedKVCache:
 
         ``query`` ``(batch, 1, heads_q, head_dim)``, ``key``/``value`` ``(batch, 1, heads_kv,
         head_dim)``, identical on every rank. With ``sliding_window`` ``W`` only the keys at
-        positions ``> length - W`` are seen (transformers' sliding-window mask). Returns
-        ``(batch, 1, heads_q, head_dim)``, identical on every rank.
+        positions ``> length - W`` are seen (transformers' sliding-window mask; each layer passes
+        its own, so per-layer windows such as Gemma 3's local/global layers decode exactly; the
+        prefill honours the same window in the ring). Returns ``(batch, 1, heads_q, head_dim)``,
+        identical on every rank.
         """
         if query.shape[1] != 1:
             raise ValueError(f"decode takes one new token at a time, got {query.shape[1]}")

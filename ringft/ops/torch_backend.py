@@ -16,11 +16,21 @@ from ringft.ops.gqa import expand_kv_heads, reduce_kv_head_grads
 
 Tensor = torch.Tensor
 
-__all__ = ["CPU_CAUSAL_TILE", "EFFICIENT_LSE_ALIGN", "TorchBackend", "pad_lse_for_efficient_backward"]
+__all__ = [
+    "CPU_BAND_TILE",
+    "CPU_CAUSAL_TILE",
+    "EFFICIENT_LSE_ALIGN",
+    "TorchBackend",
+    "pad_lse_for_efficient_backward",
+]
 
 # On CPU the causal blocks of packed documents run as aligned tiles of this many tokens (one batched
 # masked call) plus rectangles (see TorchBackend.causal_tile).
 CPU_CAUSAL_TILE = 64
+
+# Sliding-window bands on CPU run as masked strips and tiles of this many query rows plus unmasked
+# rectangles (see TorchBackend.band_tile).
+CPU_BAND_TILE = 64
 
 # The efficient-attention kernel stores its lse with the sequence dim rounded up to this multiple
 # (kAlignLSE in aten/src/ATen/native/transformers/cuda/mem_eff_attention) and its backward reads
@@ -69,6 +79,19 @@ class TorchBackend:
         CUDA kernels skip masked tiles at a finer grain: one call per document.
         """
         return CPU_CAUSAL_TILE if q.device.type == "cpu" else None
+
+    @staticmethod
+    def band_tile(q: Tensor, window: int) -> int | None:
+        """Rows per strip / triangle tile of a sliding-window band (:mod:`ringft.ops.band`), or None.
+
+        CPU: the fused kernel computes a masked block in full and runs small query blocks slower
+        (its backward most), so a band is cut into masked strips and tiles of ``CPU_BAND_TILE``
+        rows (``tile - 1`` wasted keys per row, about ``tile / 2`` at each edge) and large unmasked
+        rectangles; 32 and 128 measured no better than 64 at windows 512 and 4096
+        (benchmarks/bench_windows.py). CUDA: None (unmasked and causal calls; the CUDA kernels skip
+        masked tiles themselves).
+        """
+        return CPU_BAND_TILE if q.device.type == "cpu" else None
 
     @staticmethod
     def forward_masked(
