@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringft.model.families import SUPPORTED_MODEL_TYPES, attention_modules, call_problem, check_model
 from ringft.model.unwrap import decoder, pretrained_model
 from ringft.ops import ShardedKVCache, zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "zigzag_ring"
-TESTED_MODEL_TYPES = ("llama", "mistral")
+TESTED_MODEL_TYPES = SUPPORTED_MODEL_TYPES  # the families of ringft.model.families
 MIN_TRANSFORMERS = (5, 0)
 _CHECKED = "ring_checked"  # decoder kwarg set by the pre-hook: this forward's inputs were validated
 _DOCUMENTS = "ring_documents"  # decoder kwarg set by the pre-hook: this forward's DocumentPlan
@@ -104,6 +105,9 @@ def ring_attention_forward(
             "zigzag ring attention got an attention mask; padding masks are not supported. Right-pad "
             "with RingDataCollator (pads are excluded from the loss by ignore_index) instead of masking"
         )
+    unsupported = call_problem(kwargs)
+    if unsupported:
+        raise ValueError(unsupported)
     if dropout:
         raise ValueError(
             f"attention dropout ({dropout}) is not supported by ring attention: set "
@@ -153,12 +157,7 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION_NAME, ring_attention_forward)
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [
-        m
-        for m in model.modules()
-        if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "layer_idx")
-    ]
+_attention_modules = attention_modules  # ringft.model.families: found by what they pass, not by name
 
 
 def _inexact_rope(config) -> str | None:
@@ -284,7 +283,8 @@ def apply_ring_attention(
     *,
     allow_untested: bool = False,
 ) -> torch.nn.Module:
-    """Switch a LLaMA- or Mistral-family model to zigzag ring attention over ``cp_group``.
+    """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`: LLaMA, Mistral,
+    Qwen2/2.5, Qwen3, Gemma 3 text, Phi-3, OLMo 2) to zigzag ring attention over ``cp_group``.
 
     Idempotent (a second call updates the group/backend); undo with :func:`remove_ring_attention`.
     Works on a peft-wrapped model too. Returns ``model``. Inputs are then the CP rank's shard:
@@ -299,21 +299,13 @@ def apply_ring_attention(
         )
     pretrained = pretrained_model(model)
     config = getattr(pretrained, "config", None)
-    model_type = getattr(config, "model_type", None)
     attn_modules = _attention_modules(model)
-    if config is None or not attn_modules:
+    if config is None:
         raise ValueError(
-            f"{type(model).__name__} is not a transformers model with LLaMA-style attention; "
-            f"supported: {', '.join(TESTED_MODEL_TYPES)} (LlamaForCausalLM, MistralForCausalLM and "
-            "their base models)"
+            f"{type(model).__name__} is not a transformers model (no config); supported: "
+            f"{', '.join(TESTED_MODEL_TYPES)} (their *ForCausalLM and base models)"
         )
-    if model_type not in TESTED_MODEL_TYPES and not allow_untested:
-        raise ValueError(
-            f"model type {model_type!r} is not supported by ringft; supported: "
-            f"{', '.join(TESTED_MODEL_TYPES)}. Other models whose attention goes through "
-            "transformers' AttentionInterface may work: pass allow_untested=True and compare against a "
-            "one-process run"
-        )
+    check_model(config, attn_modules, allow_untested)
     rank, size = group_rank_and_size(cp_group)
     rope = _rope_problem(config, size)
     if rope:
