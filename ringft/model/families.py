@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # no torch import at run time: the planner reads the table too
+    from torch import nn
 
 __all__ = [
     "FAMILIES",
@@ -49,7 +50,12 @@ class Family:
     """One supported model family: its ``model_type``, its transformers classes, where its sliding
     windows come from (``"none"``, ``"every_layer"``: ``config.sliding_window`` on each layer,
     ``"layer_types"``: on the layers ``config.layer_types`` marks ``"sliding_attention"``), the
-    names of its attention projections (LoRA targets) and what reaches or surrounds attention."""
+    names of its attention projections (LoRA targets) and what reaches or surrounds attention.
+
+    Shape facts for the planner: ``qk_norm`` ``""`` / ``"head"`` (an RMSNorm over each head's
+    ``head_dim``) / ``"all"`` (over all heads' q or k, OLMo 2); ``qkv_bias`` (q/k/v projections
+    with bias, o_proj without: Qwen2); ``norms`` RMSNorms per decoder layer (Gemma 3: 4);
+    ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
 
     model_type: str
     label: str
@@ -57,6 +63,10 @@ class Family:
     windows: str
     attention_projections: tuple[str, ...]
     notes: str
+    qk_norm: str = ""
+    qkv_bias: bool = False
+    norms: int = 2
+    fused: bool = False
 
 
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -80,6 +90,7 @@ FAMILIES: dict[str, Family] = {
             "layer_types",
             _QKVO,
             "q/k/v bias; windows on layers >= max_window_layers when use_sliding_window",
+            qkv_bias=True,
         ),
         Family(
             "qwen3",
@@ -88,6 +99,7 @@ FAMILIES: dict[str, Family] = {
             "layer_types",
             _QKVO,
             "per-head q/k RMSNorm; head_dim != hidden/heads; windows as Qwen2",
+            qk_norm="head",
         ),
         Family(
             "gemma3_text",
@@ -97,6 +109,8 @@ FAMILIES: dict[str, Family] = {
             _QKVO,
             "per-head q/k RMSNorm; scale query_pre_attn_scalar^-0.5; head_dim 256; local (sliding, own "
             "RoPE base) and global layers per layer_types",
+            qk_norm="head",
+            norms=4,
         ),
         Family(
             "phi3",
@@ -105,6 +119,7 @@ FAMILIES: dict[str, Family] = {
             "every_layer",
             ("qkv_proj", "o_proj"),
             "fused qkv_proj; sliding_window on every layer",
+            fused=True,
         ),
         Family(
             "olmo2",
@@ -113,6 +128,7 @@ FAMILIES: dict[str, Family] = {
             "none",
             _QKVO,
             "q/k RMSNorm over all heads; post-norms",
+            qk_norm="all",
         ),
     )
 }
@@ -121,8 +137,12 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def family_of(config: Any) -> Family | None:
-    """The :class:`Family` of a transformers config (by ``model_type``), None if unsupported."""
-    return FAMILIES.get(getattr(config, "model_type", None))
+    """The :class:`Family` of a transformers config or config dict (by ``model_type``), None if
+    unsupported."""
+    model_type = (
+        config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    )
+    return FAMILIES.get(model_type)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -138,15 +158,27 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def layer_windows(config: Any) -> list[int | None]:
     """The ``sliding_window`` each decoder layer's attention gets (None: full causal attention),
-    for a supported family, following transformers' modeling code (see the module docstring)."""
+    for a supported family, following transformers' modeling code (see the module docstring).
+    ``config``: a transformers config, or a dict of a config after its ``__post_init__`` (Qwen2's
+    ``layer_types`` already derived)."""
+    get = (
+        config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    )
     fam = family_of(config)
-    layers = int(config.num_hidden_layers)
-    window = getattr(config, "sliding_window", None)
+    layers = int(get("num_hidden_layers"))
+    window = get("sliding_window")
     if fam is None or fam.windows == "none" or window is None:
         return [None] * layers
     if fam.windows == "every_layer":
         return [window] * layers
-    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+    kinds = get("layer_types")
+    if not kinds and fam.model_type in ("qwen2", "qwen3"):  # a config.json dict: Qwen2Config's rule
+        start = get("max_window_layers", layers) if get("use_sliding_window", False) else layers
+        kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if not kinds and fam.model_type == "gemma3_text":  # Gemma3TextConfig's rule: 5 local, 1 global
+        pattern = get("sliding_window_pattern", 6)
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    kinds = list(kinds or ["full_attention"] * layers)
     return [window if kind == "sliding_attention" else None for kind in kinds]
 
 
