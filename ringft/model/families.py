@@ -40,7 +40,9 @@ __all__ = [
     "call_problem",
     "check_model",
     "family_of",
+    "global_rope",
     "layer_windows",
+    "set_window",
     "unsupported_features",
 ]
 
@@ -278,3 +280,49 @@ def call_problem(kwargs: Mapping[str, Any]) -> str | None:
             "compute: this model is not supported"
         )
     return None
+
+
+def global_rope(params: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters a theta raise or a RoPE scaling applies to: ``params`` itself, or for a
+    model with RoPE per layer type (Gemma 3: ``{"full_attention": ..., "sliding_attention": ...}``)
+    the global layers' entry. Local (sliding-window) layers keep theirs: they never see a distance
+    beyond the window, which is how Gemma 3 itself was extended to 128K (global layers only)."""
+    nested = params and all(isinstance(v, dict) for v in params.values())
+    if nested and "full_attention" in params:
+        return params["full_attention"]
+    return params
+
+
+def set_window(config: Any, window: int | None) -> None:
+    """Set the sliding window of a supported family's layers that have one (``None``: none, full
+    attention on every layer), or raise ``ValueError`` naming why that model cannot have it."""
+    fam = family_of(config)
+    name = fam.label if fam else repr(getattr(config, "model_type", None))
+    if fam is None or fam.windows == "none":
+        if window is None:
+            return
+        raise ValueError(f"{name} has no sliding-window attention: use model.sliding_window: keep")
+    if fam.windows == "every_layer":
+        config.sliding_window = window
+        return
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if fam.model_type == "gemma3_text":
+        if window is None:
+            raise ValueError(
+                "Gemma 3's local layers were trained with a sliding window (and their own RoPE base): "
+                "model.sliding_window must be keep or a window size, not null"
+            )
+        config.sliding_window = window
+        return
+    if window is None:  # Qwen2 / Qwen3: as use_sliding_window false
+        config.sliding_window = None
+        config.use_sliding_window = False
+        config.layer_types = ["full_attention"] * len(kinds)
+        return
+    if "sliding_attention" not in kinds:
+        raise ValueError(
+            f"no layer of this {name} config is a sliding-window layer (use_sliding_window: false, or "
+            "max_window_layers >= num_hidden_layers), so model.sliding_window would change nothing: "
+            "use keep, or a config with use_sliding_window: true"
+        )
+    config.sliding_window = window
