@@ -1,7 +1,7 @@
 """``ringft eval-lines`` on Gemma 3 and Qwen2 models with their chat templates.
 
 Tiny random models (windowed: Gemma 3's local layer and Qwen2's upper layer have a 32-token window,
-prompts are 160 tokens) with the demo tokenizer, its turn markers added as special tokens and the
+prompts are 256 tokens) with the demo tokenizer, its turn markers added as special tokens and the
 families' chat-template formats (Gemma 3: ``<bos><start_of_turn>user ... <end_of_turn>`` then
 ``<start_of_turn>model``, end of turn as a stop token; Qwen2.5: ChatML with its default system turn).
 
@@ -48,7 +48,7 @@ FAMILIES = {  # model_type, config, chat template, turn markers (the last one en
         ["<|im_start|>", "<|im_end|>"],
     ),
 }
-LENGTH = 160
+LENGTH = 256
 LOGIT_TERMS = LENGTH + 64  # as test_eval_lines.py: keys + features behind a logit (1..2 layers)
 
 
