@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ringft.model.families import global_rope
-
 
 class EvalInputError(ValueError):
     """A bad ``eval-lines`` input; the message names the value and the fix."""
@@ -81,7 +79,6 @@ def check_vocabulary(tokenizer: Any, config: Any) -> None:
 def has_rope_scaling(config: Any) -> bool:
     """Whether the config asks for any RoPE scaling (rope_type other than "default")."""
     params = getattr(config, "rope_parameters", None) or {}
-    params = global_rope(params) if isinstance(params, dict) else params  # Gemma 3: global layers
     if isinstance(params, dict) and isinstance(params.get("rope_type"), str):
         return params["rope_type"] != "default"
     return bool(getattr(config, "rope_scaling", None))
