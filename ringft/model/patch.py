@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringft.model.families import SUPPORTED_MODEL_TYPES, attention_modules, call_problem, check_model
 from ringft.model.unwrap import decoder, pretrained_model
 from ringft.ops import ShardedKVCache, zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
@@ -45,7 +44,6 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "zigzag_ring"
-TESTED_MODEL_TYPES = SUPPORTED_MODEL_TYPES  # the families of ringft.model.families
 MIN_TRANSFORMERS = (5, 0)
 _CHECKED = "ring_checked"  # decoder kwarg set by the pre-hook: this forward's inputs were validated
 _DOCUMENTS = "ring_documents"  # decoder kwarg set by the pre-hook: this forward's DocumentPlan
@@ -105,6 +103,8 @@ def ring_attention_forward(
             "zigzag ring attention got an attention mask; padding masks are not supported. Right-pad "
             "with RingDataCollator (pads are excluded from the loss by ignore_index) instead of masking"
         )
+    from ringft.model.families import call_problem  # (imported here: patch.py's imports stay as they are)
+
     unsupported = call_problem(kwargs)
     if unsupported:
         raise ValueError(unsupported)
@@ -157,7 +157,10 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION_NAME, ring_attention_forward)
 
 
-_attention_modules = attention_modules  # ringft.model.families: found by what they pass, not by name
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from ringft.model.families import attention_modules  # found by what they pass, not by name
+
+    return attention_modules(model)
 
 
 def _inexact_rope(config) -> str | None:
@@ -300,10 +303,12 @@ def apply_ring_attention(
     pretrained = pretrained_model(model)
     config = getattr(pretrained, "config", None)
     attn_modules = _attention_modules(model)
+    from ringft.model.families import SUPPORTED_MODEL_TYPES, check_model
+
     if config is None:
         raise ValueError(
             f"{type(model).__name__} is not a transformers model (no config); supported: "
-            f"{', '.join(TESTED_MODEL_TYPES)} (their *ForCausalLM and base models)"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (their *ForCausalLM and base models)"
         )
     check_model(config, attn_modules, allow_untested)
     rank, size = group_rank_and_size(cp_group)
