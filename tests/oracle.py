@@ -39,3 +39,35 @@ def per_document_attention_fp64(q, k, v, cu_seqlens):
         outs.append(torch.cat([p[0] for p in pieces], dim=1))
         lses.append(torch.cat([p[1] for p in pieces], dim=2))
     return torch.cat(outs), torch.cat(lses)
+
+
+def windowed_attention_fp64(q, k, v, window: int, cu_seqlens=None, scale: float | None = None):
+    """Sliding-window causal attention in fp64 by one explicit mask over the global sequence.
+
+    Query ``i`` sees key ``j`` iff ``j <= i``, ``i - j < window`` and, with ``cu_seqlens`` (global
+    document offsets per row, or one row for all), both lie in the same document. q (B, S, Hq, D),
+    k/v (B, S, Hkv, D) -> out (B, S, Hq, D) fp64, lse (B, Hq, S) fp64. Differentiable.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    batch, seq = q.shape[:2]
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    i = torch.arange(seq, device=q.device)[:, None]
+    j = torch.arange(seq, device=q.device)[None, :]
+    masks = []
+    for b in range(batch):
+        keep = (j <= i) & (i - j < window)
+        if cu_seqlens is not None:
+            cu = cu_seqlens[b] if len(cu_seqlens) > 1 else cu_seqlens[0]
+            doc = torch.zeros(seq, dtype=torch.long, device=q.device)
+            for start in cu[1:-1]:
+                doc[start:] += 1
+            keep &= doc[:, None] == doc[None, :]
+        masks.append(keep)
+    mask = torch.stack(masks)[:, None]  # (B, 1, S, S)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+    return out, lse

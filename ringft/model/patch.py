@@ -91,6 +91,8 @@ def ring_attention_forward(
     ``((B, S_local, Hq, D) contiguous, None)``. transformers' ``scaling`` is the softmax scale.
     With ``ring_cache`` (inference) the first call of a layer is the ring prefill, which keeps the
     layer's local K/V in the cache; later calls decode one token against the sharded cache.
+    ``sliding_window`` (the layer's, as transformers passes it) is honoured exactly, in the ring
+    and in decoding.
     """
     spec: RingSpec | None = getattr(module, "_ringft_ring", None)
     if spec is None:
@@ -126,15 +128,6 @@ def ring_attention_forward(
             sliding_window=sliding_window,
         )
         return out.contiguous(), None
-    tokens = ring_cache.length if ring_cache is not None else q.shape[1] * spec.size
-    if sliding_window is not None and tokens > sliding_window:
-        padded = "" if ring_cache is not None else f" (padded to a multiple of 2 * cp_size = {2 * spec.size})"
-        raise ValueError(
-            f"the model has sliding_window={sliding_window} but the sequence has {tokens} tokens{padded}: "
-            "ring attention computes full causal attention and would silently ignore the window. "
-            "Set model.config.sliding_window = None (as Mistral v0.2+ does for long context) or use "
-            f"sequences of at most {sliding_window} tokens"
-        )
     out = zigzag_ring_attention(
         q,
         k,
@@ -145,6 +138,7 @@ def ring_attention_forward(
         backend=spec.backend,
         validate=not kwargs.get(_CHECKED, False),
         cu_seqlens=kwargs.get(_DOCUMENTS),
+        sliding_window=sliding_window,  # transformers passes each layer's own (None: full attention)
     )
     if ring_cache is not None:
         ring_cache.store_prefill(module.layer_idx, k, v)

@@ -14,11 +14,12 @@ input dtype. ``backward`` takes an *externally merged* ``out``/``lse`` (the resu
 just this block), which is what makes the ring backward exact. ``causal`` is only used with
 ``seq_q == seq_k`` (the diagonal block), so top-left vs bottom-right alignment never matters.
 
-Two optional capabilities, each its own Protocol, used by packed documents
-(:mod:`ringft.ops.document_blocks`) when a backend has them: :class:`VarlenAttention` (causal
-attention inside each document of a block in one call: flash-attn's varlen, the reference's mask)
-and :class:`MaskedTileAttention` (aligned tiles in one batched call under an additive mask: torch on
-CPU).
+Optional capabilities, each its own Protocol, used when a backend has them: by packed documents
+(:mod:`ringft.ops.document_blocks`), :class:`VarlenAttention` (causal attention inside each
+document of a block in one call: flash-attn's varlen, the reference's mask) and
+:class:`MaskedTileAttention` (aligned tiles in one batched call under an additive mask: torch on
+CPU); by sliding windows (:mod:`ringft.ops.band`), :class:`WindowAttention` (a band of a block in
+one call: flash-attn's ``window_size``, the reference's mask) or else ``MaskedTileAttention``.
 
 Backends: ``reference`` (:mod:`ringft.ops.reference`), ``torch`` (:mod:`ringft.ops.torch_backend`),
 ``flash_attn`` (:mod:`ringft.ops.flash_backend`); ``auto`` picks flash_attn on CUDA when it will
@@ -49,6 +50,7 @@ __all__ = [
     "ReferenceBackend",
     "TorchBackend",
     "VarlenAttention",
+    "WindowAttention",
     "auto_backend_choice",
     "default_softmax_scale",
     "get_backend",
@@ -116,6 +118,10 @@ class MaskedTileAttention(Protocol):
     def causal_tile(self, q: Tensor) -> int | None:
         """The tile size to cut causal blocks into for ``q``, or None for one call per document."""
 
+    def band_tile(self, q: Tensor, window: int) -> int | None:
+        """Query rows per strip of a sliding-window band (:mod:`ringft.ops.band`), or None to cover
+        bands by unmasked and causal calls only."""
+
     def forward_masked(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, softmax_scale: float
     ) -> tuple[Tensor, Tensor]:
@@ -133,6 +139,32 @@ class MaskedTileAttention(Protocol):
         softmax_scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq, dk, dv)`` shaped like q, k, v."""
+
+
+@runtime_checkable
+class WindowAttention(Protocol):
+    """Optional: a sliding-window band of a block in one call. q ``(B, Sq, Hq, D)``, k/v ``(B, Sk,
+    Hkv, D)``; query row ``i`` sees key ``j`` iff ``0 <= i + offset - j <= window - 1`` (``offset``
+    = position of row 0 minus position of key 0); the caller guarantees every row sees a key."""
+
+    def forward_window(
+        self, q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, softmax_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out (B, Sq, Hq, D), lse (B, Hq, Sq))``."""
+
+    def backward_window(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        offset: int,
+        window: int,
+        softmax_scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` shaped like q, k, v, against the merged ``out``/``lse``."""
 
 
 def auto_backend_choice(

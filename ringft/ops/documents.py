@@ -56,7 +56,9 @@ class DocumentPlan:
     """The document structure of a batch as one rank of an ``N``-rank ring sees it.
 
     ``rows`` has one :class:`RowPlan` per batch row; ``uniform``: every row has the same plan (one
-    kernel call covers the batch); ``single``: every row is one document (the unmasked schedule).
+    kernel call covers the batch); ``single``: every row is one document (the unmasked schedule);
+    ``offsets``: the global document offsets per batch row it was built from (sliding windows
+    plan their own work from them).
     """
 
     rows: tuple[RowPlan, ...]
@@ -64,6 +66,7 @@ class DocumentPlan:
     rank: int
     uniform: bool
     single: bool
+    offsets: tuple[tuple[int, ...], ...] | None = None
 
     def attention_pairs(self) -> int:
         """(query, key) pairs this rank computes over the whole ring (the FLOP count / (4 * heads * dim))."""
@@ -172,7 +175,8 @@ def document_plan(
     full = tuple(plans[tuple(r)] for r in rows)
     full = full * batch if len(full) == 1 else full
     single = all(len(row.diagonal) == 2 and _full_blocks(row, rank) for row in plans.values())
-    return DocumentPlan(full, cp_size, rank, uniform=len(plans) == 1, single=single)
+    offsets = tuple(map(tuple, rows)) * (batch if len(rows) == 1 else 1)
+    return DocumentPlan(full, cp_size, rank, uniform=len(plans) == 1, single=single, offsets=offsets)
 
 
 def rank_pairs(lengths: Sequence[int], seq_len: int, cp_size: int) -> list[int]:

@@ -1,8 +1,9 @@
 """Run the zigzag ring schedule of N ranks inside one process (no communication).
 
-Same block kernels, same per-step work and merges as the distributed operator, so it serves to
-check a backend inside the real schedule on one device (e.g. one GPU) and to measure the cost of
-decomposing one attention call into the ring's blocks.
+Same block kernels, same per-step work and merges as the distributed operator (the plain ring, or
+with a sliding window the exchange of :mod:`ringft.ops.windows`), so it serves to check a backend
+inside the real schedule on one device (e.g. one GPU) and to measure the cost of decomposing one
+attention call into the ring's blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from ringft.ops.backends import BlockAttention, default_softmax_scale, get_backe
 from ringft.ops.documents import DocumentPlan, document_plan
 from ringft.ops.dtypes import accumulator_dtype
 from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+from ringft.ops.window_blocks import backward_window_step, forward_window_step, local_blocks, row_groups
+from ringft.ops.windows import window_plan
 from ringft.ops.zigzag_blocks import backward_block, forward_block
 
 Tensor = torch.Tensor
@@ -32,14 +35,22 @@ def run_schedule(
     ranks: list[int] | None = None,
     timer: Callable[[int, Callable[[], None]], None] | None = None,
     plans: list[DocumentPlan] | None = None,
+    sliding_window: int | None = None,
+    cu_seqlens: list[list[int]] | None = None,
 ):
     """The ring schedule of every rank on per-rank shards ``(batch, seq_local, heads, dim)``.
 
     Returns per-rank ``outs``, ``lses`` and (when ``douts``) ``dqs`` and ``dkvs`` (dK/dV of each
     rank's own block, summed over all ranks). ``timer(rank, fn)`` may wrap each rank's forward and
     backward work (used by the benchmarks to time ranks one by one). ``plans[r]``: rank ``r``'s
-    packed-document plan (:func:`ringft.ops.documents.document_plan`), if any.
+    packed-document plan (:func:`ringft.ops.documents.document_plan`), if any. ``sliding_window``
+    (causal, below the sequence length): the windowed schedule instead, with the packed documents
+    of ``cu_seqlens`` (global offsets per row) if any.
     """
+    if sliding_window is not None:
+        return _run_window_schedule(
+            kernel, qs, ks, vs, douts, softmax_scale, ranks, timer, sliding_window, cu_seqlens
+        )
     n = len(qs)
     ranks = list(range(n)) if ranks is None else ranks
     timer = timer or (lambda rank, fn: fn())
@@ -102,6 +113,53 @@ def run_schedule(
     return outs, lses, dqs, dkvs
 
 
+def _run_window_schedule(kernel, qs, ks, vs, douts, softmax_scale, ranks, timer, window, cu_seqlens):
+    """:func:`run_schedule` for the sliding-window exchange: rank ``r`` at step ``s`` uses the
+    chunks its :class:`~ringft.ops.windows.WindowPlan` receives from ranks ``r - s`` and ``r + s``."""
+    n = len(qs)
+    ranks = list(range(n)) if ranks is None else ranks
+    timer = timer or (lambda rank, fn: fn())
+    plan = window_plan(qs[0].shape[1] * n, n, window)
+    groups = row_groups(cu_seqlens, qs[0].shape[0])
+    kw = dict(plan=plan, groups=groups, softmax_scale=softmax_scale)
+    chunks = [local_blocks(ks[r], vs[r], r, n) for r in range(n)]  # (chunk index, k, v) per slot
+
+    def received(rank: int, step: int) -> list[tuple[int, int]]:
+        return [(src, slot) for src, slots in plan.receives(rank, step) for slot in slots]
+
+    outs: dict[int, Tensor] = {}
+    lses: dict[int, Tensor] = {}
+
+    def forward(rank: int) -> None:
+        out, lse = forward_window_step(kernel, qs[rank], chunks[rank], None, None, rank=rank, **kw)
+        for step in range(1, plan.steps + 1):
+            blocks = [chunks[src][slot] for src, slot in received(rank, step)]
+            out, lse = forward_window_step(kernel, qs[rank], blocks, out, lse, rank=rank, **kw)
+        outs[rank], lses[rank] = out.to(qs[rank].dtype), lse
+
+    for rank in ranks:
+        timer(rank, lambda rank=rank: forward(rank))
+    if douts is None:
+        return outs, lses, None, None
+    acc = accumulator_dtype(qs[0].dtype)
+    dqs = {r: torch.zeros(qs[r].shape, dtype=acc, device=qs[r].device) for r in ranks}
+    c = ks[0].shape[1] // 2
+    grads = [torch.zeros((2, 2, *ks[r][:, :c].shape), dtype=acc, device=ks[r].device) for r in range(n)]
+
+    def backward(rank: int) -> None:
+        for step in range(plan.steps + 1):
+            sources = [(rank, 0), (rank, 1)] if step == 0 else received(rank, step)
+            blocks = [(*chunks[src][slot], grads[src][slot, 0], grads[src][slot, 1]) for src, slot in sources]
+            backward_window_step(
+                kernel, douts[rank], qs[rank], blocks, outs[rank], lses[rank], dqs[rank], rank=rank, **kw
+            )
+
+    for rank in ranks:
+        timer(rank, lambda rank=rank: backward(rank))
+    dkvs = [g.permute(1, 2, 0, 3, 4, 5).reshape(2, *ks[r].shape) for r, g in enumerate(grads)]
+    return outs, lses, dqs, dkvs
+
+
 def emulate_zigzag_attention(
     q: Tensor,
     k: Tensor,
@@ -113,11 +171,13 @@ def emulate_zigzag_attention(
     backend: str = "auto",
     dout: Tensor | None = None,
     cu_seqlens: list[list[int]] | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """Emulate ``cp_size`` ranks on the *global* ``q``/``k``/``v`` ``(batch, seq, heads, dim)``.
 
     Returns ``(out, lse, grads)`` in global order; ``grads = (dq, dk, dv)`` when ``dout`` is given.
-    ``cu_seqlens``: packed documents, as for :func:`ringft.ops.zigzag_ring_attention`.
+    ``cu_seqlens`` (packed documents) and ``sliding_window``: as for
+    :func:`ringft.ops.zigzag_ring_attention` (a window >= the sequence is no window).
     """
     kernel = get_backend(backend, q.device, q.dtype)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
@@ -125,11 +185,15 @@ def emulate_zigzag_attention(
     qs, ks, vs = ([zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v))
     douts = None if dout is None else [zigzag_shard(dout, r, n) for r in range(n)]
     plans = None
-    if cu_seqlens is not None:
+    window = sliding_window if sliding_window is not None and sliding_window < q.shape[1] else None
+    if window is not None and not causal:
+        raise ValueError("sliding_window needs causal=True")
+    if cu_seqlens is not None and window is None:
         plans = [document_plan(cu_seqlens, q.shape[1], r, n, batch=q.shape[0]) for r in range(n)]
     outs, lses, dqs, dkvs = run_schedule(
-        kernel, qs, ks, vs, douts, causal=causal, softmax_scale=scale, plans=plans
-    )
+        kernel, qs, ks, vs, douts, causal=causal, softmax_scale=scale, plans=plans, sliding_window=window,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     out = zigzag_unshard([outs[r] for r in range(n)])
     lse = zigzag_unshard([lses[r] for r in range(n)], dim=2)
     grads = None

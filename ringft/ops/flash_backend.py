@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ringft.ops.flash_varlen import flash_varlen_backward, flash_varlen_forward, varlen_generation
+from ringft.ops.flash_window import flash_window_calls
 
 Tensor = torch.Tensor
 
@@ -129,6 +130,13 @@ _FIXED: dict[str, Any] = {
     "deterministic": False,
     "rng_state": None,
 }
+
+
+def _window_values(window: tuple[int, int]) -> dict[str, Any]:
+    """flash-attn's window arguments of either generation: a ``window_size`` tuple (2.4-2.6) or
+    ``window_size_left`` / ``window_size_right`` (2.7+)."""
+    left, right = window
+    return {"window_size": (left, right), "window_size_left": left, "window_size_right": right}
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -260,9 +268,10 @@ class FlashAttnBackend:
         return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window=(-1, -1)
     ) -> tuple[Tensor, Tensor]:
-        """``(out (B, Sq, Hq, D), lse (B, Hq, Sq) fp32)`` of ``q`` against ``k``/``v``."""
+        """``(out (B, Sq, Hq, D), lse (B, Hq, Sq) fp32)`` of ``q`` against ``k``/``v``; ``window``:
+        flash-attn's ``window_size`` (left, right), passed as it is."""
         api, d = self.api, q.shape[-1]
         values = {
             "q": self._pad(q).contiguous(),
@@ -270,6 +279,7 @@ class FlashAttnBackend:
             "v": self._pad(v).contiguous(),
             "softmax_scale": softmax_scale,
             "causal": causal,
+            **_window_values(window),
         }
         res = self.module._flash_attn_forward(*(values.get(n, _FIXED.get(n)) for n in api.forward))
         if len(res) != api.forward_returns:
@@ -289,6 +299,7 @@ class FlashAttnBackend:
         lse: Tensor,
         causal: bool,
         softmax_scale: float,
+        window=(-1, -1),
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D))`` w.r.t. the merged ``out``/``lse``."""
         api, d = self.api, q.shape[-1]
@@ -305,6 +316,7 @@ class FlashAttnBackend:
             "dv": torch.empty_like(vp),
             "softmax_scale": softmax_scale,
             "causal": causal,
+            **_window_values(window),
         }
         res = self.module._flash_attn_backward(*(values.get(n, _FIXED.get(n)) for n in api.backward))
         if api.backward_returns_grads:
@@ -317,6 +329,41 @@ class FlashAttnBackend:
         else:  # 2.7+: the gradients are written into the buffers passed in
             dq, dk, dv = values["dq"], values["dk"], values["dv"]
         return dq[..., :d], dk[..., :d], dv[..., :d]
+
+    def forward_window(
+        self, q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, softmax_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """A sliding-window band (row ``i`` sees key ``j`` iff ``0 <= i + offset - j < window``) with
+        flash-attn's ``window_size``, in the row segments of :func:`flash_window_calls`."""
+        parts = [
+            self.forward(q[:, a:b], k[:, x:y], v[:, x:y], causal, softmax_scale, win)
+            for a, b, x, y, causal, win in flash_window_calls(q.shape[1], k.shape[1], offset, window)
+        ]
+        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 2)
+
+    def backward_window(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        offset: int,
+        window: int,
+        softmax_scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Backward of :meth:`forward_window`: ``(dq, dk, dv)`` shaped like q, k, v (dk/dv fp32)."""
+        dqs, dk, dv = [], k.new_zeros(k.shape, dtype=torch.float32), v.new_zeros(v.shape, dtype=torch.float32)
+        for a, b, x, y, causal, win in flash_window_calls(q.shape[1], k.shape[1], offset, window):
+            gq, gk, gv = self.backward(
+                dout[:, a:b], q[:, a:b], k[:, x:y], v[:, x:y], out[:, a:b], lse[:, :, a:b], causal,
+                softmax_scale, win,
+            )  # fmt: skip
+            dqs.append(gq)
+            dk[:, x:y] += gk
+            dv[:, x:y] += gv
+        return torch.cat(dqs, 1), dk, dv
 
     def forward_varlen(
         self, q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], softmax_scale: float

@@ -29,11 +29,16 @@ class ReferenceBackend:
         return None
 
     @staticmethod
-    def _scores(q: Tensor, k: Tensor, causal: bool, softmax_scale: float, bounds=None) -> Tensor:
+    def _scores(q: Tensor, k: Tensor, causal: bool, softmax_scale: float, bounds=None, band=None) -> Tensor:
         acc = accumulator_dtype(q.dtype)
         groups = q.shape[2] // k.shape[2]
         kx = expand_kv_heads(k, groups).to(acc)
         s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kx) * softmax_scale
+        if band is not None:  # (offset, window): row i sees key j iff 0 <= i + offset - j < window
+            offset, window = band
+            gap = torch.arange(q.shape[1], device=q.device)[:, None] + offset
+            gap = gap - torch.arange(k.shape[1], device=q.device)[None, :]
+            s = s.masked_fill(~((gap >= 0) & (gap < window)), float("-inf"))
         if causal:
             sq, sk = q.shape[1], k.shape[1]
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
@@ -45,13 +50,13 @@ class ReferenceBackend:
         return s
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, bounds=None
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, bounds=None, band=None
     ) -> tuple[Tensor, Tensor]:
         """``(out (B, Sq, Hq, D), lse (B, Hq, Sq))`` of ``q`` against ``k``/``v`` (causal only
-        inside the segments ``bounds`` when given)."""
+        inside the segments ``bounds`` when given; only the ``band = (offset, window)`` when given)."""
         acc = accumulator_dtype(q.dtype)
         groups = q.shape[2] // k.shape[2]
-        s = self._scores(q, k, causal, softmax_scale, bounds)
+        s = self._scores(q, k, causal, softmax_scale, bounds, band)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", p, expand_kv_heads(v, groups).to(acc))
@@ -68,11 +73,12 @@ class ReferenceBackend:
         causal: bool,
         softmax_scale: float,
         bounds=None,
+        band=None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D))`` w.r.t. the merged ``out``/``lse``."""
         acc = accumulator_dtype(q.dtype)
         groups = q.shape[2] // k.shape[2]
-        s = self._scores(q, k, causal, softmax_scale, bounds)
+        s = self._scores(q, k, causal, softmax_scale, bounds, band)
         p = torch.exp(s - lse.to(acc).unsqueeze(-1))  # probabilities w.r.t. the merged lse
         do, o = dout.to(acc), out.to(acc)
         kx, vx = expand_kv_heads(k, groups).to(acc), expand_kv_heads(v, groups).to(acc)
@@ -108,3 +114,25 @@ class ReferenceBackend:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Backward of :meth:`forward_varlen`: ``(dq, dk, dv)`` shaped like q, k, v."""
         return self.backward(dout, q, k, v, out, lse, True, softmax_scale, bounds)
+
+    def forward_window(
+        self, q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, softmax_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Sliding-window band (row ``i`` sees key ``j`` iff ``0 <= i + offset - j < window``), one
+        masked call: q ``(B, Sq, Hq, D)``, k/v ``(B, Sk, Hkv, D)`` -> ``(out, lse (B, Hq, Sq))``."""
+        return self.forward(q, k, v, False, softmax_scale, band=(offset, window))
+
+    def backward_window(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        offset: int,
+        window: int,
+        softmax_scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Backward of :meth:`forward_window`: ``(dq, dk, dv)`` shaped like q, k, v."""
+        return self.backward(dout, q, k, v, out, lse, False, softmax_scale, band=(offset, window))

@@ -16,11 +16,22 @@ from ringft.ops.gqa import expand_kv_heads, reduce_kv_head_grads
 
 Tensor = torch.Tensor
 
-__all__ = ["CPU_CAUSAL_TILE", "EFFICIENT_LSE_ALIGN", "TorchBackend", "pad_lse_for_efficient_backward"]
+__all__ = [
+    "CPU_BAND_TILE",
+    "CPU_CAUSAL_TILE",
+    "EFFICIENT_LSE_ALIGN",
+    "TorchBackend",
+    "pad_lse_for_efficient_backward",
+]
 
 # On CPU the causal blocks of packed documents run as aligned tiles of this many tokens (one batched
 # masked call) plus rectangles (see TorchBackend.causal_tile).
 CPU_CAUSAL_TILE = 64
+
+# Sliding-window bands on CPU run as strips of this many query rows (twice as many for windows
+# wider than CPU_BAND_WIDE), see TorchBackend.band_tile.
+CPU_BAND_TILE = 64
+CPU_BAND_WIDE = 2048
 
 # The efficient-attention kernel stores its lse with the sequence dim rounded up to this multiple
 # (kAlignLSE in aten/src/ATen/native/transformers/cuda/mem_eff_attention) and its backward reads
@@ -69,6 +80,19 @@ class TorchBackend:
         CUDA kernels skip masked tiles at a finer grain: one call per document.
         """
         return CPU_CAUSAL_TILE if q.device.type == "cpu" else None
+
+    @staticmethod
+    def band_tile(q: Tensor, window: int) -> int | None:
+        """Query rows per strip of a sliding-window band (:mod:`ringft.ops.band`), or None.
+
+        CPU: a strip of ``tile`` rows computes ``window + tile - 1`` keys per row for ``window``
+        useful ones (the masked key range costs in full), while the backward slows on strips of
+        fewer than 64 rows; ``CPU_BAND_TILE`` balances the two (benchmarks/bench_windows.py). CUDA:
+        None (unmasked and causal calls; the CUDA kernels skip masked tiles themselves).
+        """
+        if q.device.type != "cpu":
+            return None
+        return CPU_BAND_TILE if window <= CPU_BAND_WIDE else 2 * CPU_BAND_TILE
 
     @staticmethod
     def forward_masked(

@@ -25,6 +25,9 @@ from ringft.ops.comm import RingExchange, group_rank_and_size
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
 from ringft.ops.validate import DTYPE_CODES, raise_on_every_rank
+from ringft.ops.window_blocks import row_groups
+from ringft.ops.window_ring import windowed_ring_attention
+from ringft.ops.windows import window_plan, window_problems
 from ringft.ops.zigzag_blocks import backward_block, forward_block
 
 Tensor = torch.Tensor
@@ -74,6 +77,13 @@ def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str) -> list[
     return problems
 
 
+def _window_problems(sliding_window, causal: bool) -> list[str]:
+    problems = window_problems(sliding_window)
+    if sliding_window is not None and not causal:
+        problems.append("sliding_window needs causal=True (a window looks back only): drop one of them")
+    return problems
+
+
 def _document_problems(q: Tensor, cu_seqlens, causal: bool, rank: int, size: int) -> list[str]:
     if cu_seqlens is None:
         return []
@@ -106,22 +116,25 @@ def validate_inputs(
     *,
     cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
     causal: bool = True,
+    sliding_window: int | None = None,
 ) -> None:
     """Raise the same ``ValueError`` on every rank when any rank's inputs are unusable.
 
-    Local problems and every rank's shape/dtype (and document offsets' checksum) are exchanged in
-    one small all_gather before any ring traffic, so a bad input on one rank never leaves the
-    others waiting in a send/recv.
+    Local problems and every rank's shape/dtype (document offsets' checksum, sliding window) are
+    exchanged in one small all_gather before any ring traffic, so a bad input on one rank never
+    leaves the others waiting in a send/recv.
     """
     problems = local_input_problems(q, k, v, backend) + _document_problems(q, cu_seqlens, causal, rank, size)
+    problems += _window_problems(sliding_window, causal)
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
+    window = sliding_window if isinstance(sliding_window, int) and not problems else 0
     raise_on_every_rank(
         "zigzag_ring_attention",
         problems,
-        (*shape, DTYPE_CODES.get(q.dtype, 0), _checksum(cu_seqlens)),
-        "(batch, seq_local, heads, dim, kv_heads, dtype, cu_seqlens checksum)",
-        "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim, dtype and "
-        "cu_seqlens. "
+        (*shape, DTYPE_CODES.get(q.dtype, 0), _checksum(cu_seqlens), window),
+        "(batch, seq_local, heads, dim, kv_heads, dtype, cu_seqlens checksum, sliding_window)",
+        "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim, dtype, "
+        "cu_seqlens and sliding_window. "
         "Shard every sequence with zigzag_shard / RingDataCollator",
         group=group,
         rank=rank,
@@ -236,6 +249,7 @@ def zigzag_ring_attention(
     return_lse: bool = False,
     validate: bool = True,
     cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence zigzag-sharded across the ranks of ``group``.
 
@@ -256,6 +270,11 @@ def zigzag_ring_attention(
             offsets ``0 = cu[0] < ... < cu[m] = S`` (any lengths); attention stays causal inside each
             document and blocks without a shared document are skipped. Every rank passes the same
             offsets. Or a :class:`~ringft.ops.documents.DocumentPlan` built for this rank.
+        sliding_window: transformers' ``sliding_window``: query position ``i`` sees only keys
+            ``j`` with ``i - sliding_window < j <= i`` (an int >= 1; causal only; together with
+            ``cu_seqlens`` a key must be in the window and the document). Blocks outside the window
+            are never computed and K/V travel only to ranks whose window reaches them (see
+            :mod:`ringft.ops.windows`). ``None``, or a window >= S, is plain causal attention.
 
     Returns:
         ``out`` ``(batch, seq_local, heads_q, head_dim)`` in q's dtype (the autocast dtype under
@@ -264,18 +283,40 @@ def zigzag_ring_attention(
     rank, size = group_rank_and_size(group)
     q, k, v = follow_autocast(q, k, v)  # like scaled_dot_product_attention
     if validate:
-        validate_inputs(q, k, v, backend, group, rank, size, cu_seqlens=cu_seqlens, causal=causal)
+        validate_inputs(
+            q, k, v, backend, group, rank, size, cu_seqlens=cu_seqlens, causal=causal,
+            sliding_window=sliding_window,
+        )  # fmt: skip
     else:
         problems = local_input_problems(q, k, v, backend) + _document_problems(
             q, cu_seqlens, causal, rank, size
         )
+        problems += _window_problems(sliding_window, causal)
         if problems:
             raise ValueError(f"zigzag_ring_attention: rank {rank}: " + "; ".join(problems))
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if sliding_window is not None and sliding_window < q.shape[1] * size:  # else: every key is in it
+        out, lse = _windowed(q, k, v, scale, group, backend, rank, size, sliding_window, cu_seqlens)
+        return (out, lse) if return_lse else out
     documents = cu_seqlens
     if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
         documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
     kernel = get_backend(backend, q.device, q.dtype)
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     with no_autocast(q.device.type):
         out, lse = _ZigzagRingAttention.apply(q, k, v, causal, scale, group, kernel, rank, size, documents)
     return (out, lse) if return_lse else out
+
+
+def _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens) -> tuple[Tensor, Tensor]:
+    """The sliding-window schedule (:mod:`ringft.ops.window_ring`) on validated inputs."""
+    cu_rows = cu_seqlens
+    if isinstance(cu_seqlens, DocumentPlan):
+        if not cu_seqlens.single and cu_seqlens.offsets is None:
+            raise ValueError("sliding_window needs the DocumentPlan's offsets: build it with document_plan()")
+        cu_rows = None if cu_seqlens.single else cu_seqlens.offsets
+    plan = window_plan(q.shape[1] * size, size, window)
+    kernel = get_backend(backend, q.device, q.dtype)
+    with no_autocast(q.device.type):
+        return windowed_ring_attention(
+            q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0])
+        )

@@ -50,6 +50,11 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
         "docs_differ": {"cu_seqlens": [[0, 3 + rank, seq]]},
         "docs_malformed": {"cu_seqlens": [[0, 5, 5, seq]]},
         "docs_noncausal": {"cu_seqlens": [[0, 3, seq]], "causal": False},
+        "window_zero": {"sliding_window": 0},
+        "window_float": {"sliding_window": 2.5},
+        "window_bool": {"sliding_window": True},
+        "window_noncausal": {"sliding_window": 4, "causal": False},
+        "window_differs": {"sliding_window": 3 + rank},
     }.items():
         try:
             zigzag_ring_attention(*_qkv(), backend="torch", **kwargs)
@@ -59,6 +64,7 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
     # The group is still usable afterwards: a good call runs.
     zigzag_ring_attention(*_qkv())
     zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]])
+    zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]], sliding_window=3)
     return seen
 
 
@@ -80,3 +86,9 @@ def test_errors_raised_on_every_rank(world):
             assert "cu_seqlens checksum" in seen["docs_differ"], seen["docs_differ"]
         assert "must rise strictly from 0" in seen["docs_malformed"]
         assert "needs causal=True" in seen["docs_noncausal"]
+        assert "sliding_window must be >= 1" in seen["window_zero"], seen["window_zero"]
+        for name in ("window_float", "window_bool"):
+            assert "sliding_window must be an int >= 1" in seen[name], seen[name]
+        assert "sliding_window needs causal=True" in seen["window_noncausal"]
+        if world > 1:
+            assert "sliding_window)" in seen["window_differs"], seen["window_differs"]

@@ -1,0 +1,372 @@
+"""Sliding-window zigzag ring attention (operator level) vs plain fp64 windowed attention.
+
+Oracle: ``tests.oracle.windowed_attention_fp64`` (one explicit mask over the global sequence,
+optionally with packed documents), not written with ringft code. Convention: transformers'
+``sliding_window`` (query i sees keys i - window < j <= i); ``tests/model/test_windows_hf.py``
+checks it against transformers' own mask function.
+
+Tolerances (max-abs error relative to the oracle tensor's max-abs):
+- fp64 (emulated schedules): 1e-10. Sums over <= 48 keys, head_dim 16 and <= 2N merges err by
+  ~1e-14; any masking / window / merge mistake is O(1e-1). The flash-attn stand-ins return an fp32
+  lse as flash-attn does (2^-24 relative on |lse| <= 10, entering out and the gradients): 1e-6.
+- fp32: FP32_REL = (S + D + 2N) * eps32 * 2 (recursive fp32 sums over the keys, the head dim and
+  the merges; x2 for the backward's recomputed probabilities), as in test_documents.py.
+- bf16: the ring's error may be at most 2x the error of the same windowed attention on one process
+  (one rank: no split over ranks) plus 4e-3 (one bf16 rounding of out, 2^-8), the bound of
+  test_zigzag_ring.py: splitting over ranks may not make bf16 numerics materially worse.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ringft.ops import zigzag_ring_attention
+from ringft.ops.band import Band, band_pairs, square_pieces, strip_runs, trim_band
+from ringft.ops.emulate import run_schedule
+from ringft.ops.flash_window import flash_window_calls
+from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+from ringft.ops.windows import chunks_meet, window_plan
+from tests.ops.flash_stubs import flash_visible, make_stub
+from tests.oracle import windowed_attention_fp64
+
+SEQ, DIM = 48, 16  # 48: a multiple of 2N for N = 1..4 (chunks of 24, 12, 8, 6)
+EPS32 = torch.finfo(torch.float32).eps
+FP32_REL = (SEQ + DIM + 8) * EPS32 * 2
+DOCS = [[0, 5, 19, 31, 47, SEQ], [0, 13, 14, 35, SEQ]]  # across and on chunk edges, a 1-token doc
+
+
+def windows(world: int) -> list[int]:
+    """Windows around the chunk size c: 1, shorter, equal, one longer (straddles a chunk edge), and
+    over two chunks longer (for N = 4 it reaches the farthest rank)."""
+    c = SEQ // (2 * world)
+    return sorted({1, max(2, c - 1), c, c + 1, min(2 * c + 3, SEQ - 1)})
+
+
+def _inputs(seed, hq=4, hkv=2, batch=2, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda h: torch.randn(batch, SEQ, h, DIM, generator=gen).to(dtype)  # noqa: E731
+    return make(hq), make(hkv), make(hkv), make(hq)
+
+
+def _oracle(q, k, v, dout, window, cu):
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = windowed_attention_fp64(qd, kd, vd, window, cu)
+    return (out.detach(), lse.detach(), *torch.autograd.grad(out, (qd, kd, vd), dout.double()))
+
+
+def _rel(x, ref):
+    """Max-abs error over the oracle's max-abs, or absolute where the oracle is below 1 (with a window
+    of 1 key, dq is exactly 0: the output is the key's value whatever the query)."""
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
+
+
+def _visible(i: int, j: int, window: int) -> bool:
+    return 0 <= i - j < window
+
+
+def test_plan_matches_brute_force():
+    """Every chunk a rank needs (some query of its chunks sees some key of it) and nothing else;
+    the exchange lasts as many steps as the farthest rank needed, never longer than the ring."""
+    for n in (1, 2, 3, 4, 5):
+        for c in (1, 3, 4):
+            seq = 2 * n * c
+            pos = [zigzag_shard(torch.arange(seq), r, n, dim=0).tolist() for r in range(n)]
+            for w in range(1, seq + 1):
+                plan = window_plan(seq, n, w)
+                far = 0
+                for r in range(n):
+                    for j in range(n):
+                        want = tuple(
+                            slot
+                            for slot in (0, 1)
+                            if j != r
+                            and any(
+                                _visible(i, key, w) for i in pos[r] for key in pos[j][slot * c : slot * c + c]
+                            )
+                        )
+                        assert plan.needs[r][j] == want, (n, c, w, r, j)
+                        far = max(far, abs(r - j) if want else 0)
+                assert plan.steps == far <= max(n - 1, 0)
+                for r in range(n):
+                    assert plan.chunks_sent(r) <= 2 * (n - 1)  # the ring: N - 1 blocks of 2 chunks
+                    assert sum(
+                        len(s) for step in range(1, plan.steps + 1) for _, s in plan.receives(r, step)
+                    ) == sum(len(plan.needs[r][j]) for j in range(n))
+
+
+def _random_bands(seed: int, count: int):
+    rng = random.Random(seed)
+    for _ in range(count):
+        w = rng.choice([1, 2, 3, 4, 5, 7, 9, 16, 40])
+        r0, k0 = rng.randint(0, 6), rng.randint(0, 6)
+        band = trim_band(
+            Band(r0, r0 + rng.randint(1, 20), k0, k0 + rng.randint(1, 20), rng.randint(-5, 25), w)
+        )
+        if band is not None:
+            yield band
+
+
+def _want(band: Band) -> set[tuple[int, int]]:
+    return {
+        (i, j)
+        for i in range(band.r0, band.r1)
+        for j in range(band.k0, band.k1)
+        if _visible(i + band.delta, j, band.window)
+    }
+
+
+def test_band_covers_are_exact():
+    """Strips (CPU torch), squares (no mask) and flash-attn window calls cover every visible pair of
+    a band exactly once, never an invisible one, and never give a kernel a row without a key."""
+    for band in _random_bands(0, 400):
+        want = _want(band)
+        assert len(want) == band_pairs(band)
+        rows_seen = {i for i, _ in want}
+        assert rows_seen == set(range(band.r0, band.r1))  # trimmed: every row sees a key
+        for tile in (1, 2, 3, 5, 64):
+            got = []
+            for s in strip_runs(band, tile):
+                for t in range(s.count):
+                    for i in range(s.rows):
+                        row = s.r0 + t * s.rows + i
+                        keys = [s.k0 + t * s.step + j for j in range(s.keys)]
+                        vis = [key for j, key in enumerate(keys) if 0 <= i + s.offset - j < s.window]
+                        assert vis, (band, tile, s)
+                        assert s.masked or len(vis) == len(keys)
+                        got += [(row, key) for key in vis]
+            assert sorted(got) == sorted(want), (band, tile)
+            got = []
+            for q0, q1, x0, x1, kind in square_pieces(band, tile):
+                if kind != "full":
+                    assert q1 - q0 == x1 - x0, (band, tile)
+                for i in range(q1 - q0):
+                    keep = {"full": range(x1 - x0), "causal": range(i + 1), "anti": range(i, x1 - x0)}[kind]
+                    assert keep, (band, tile)
+                    got += [(q0 + i, x0 + j) for j in keep]
+            assert sorted(got) == sorted(want), (band, tile)
+        # flash-attn: read each call's mask the way flash-attn rewrites its arguments
+        got = []
+        offset = band.r0 + band.delta - band.k0
+        for a, b, x, y, causal, win in flash_window_calls(
+            band.r1 - band.r0, band.k1 - band.k0, offset, band.window
+        ):
+            visible = flash_visible(b - a, y - x, causal, win)
+            visible = torch.ones(b - a, y - x, dtype=torch.bool) if visible is None else visible
+            assert bool(visible.any(1).all()), (band, win)
+            got += [(band.r0 + a + i, band.k0 + x + j) for i, j in visible.nonzero().tolist()]
+        assert sorted(got) == sorted(want), band
+
+
+def _emulate(kernel, q, k, v, dout, n, window, cu):
+    shard = lambda t: [zigzag_shard(t, r, n).contiguous() for r in range(n)]  # noqa: E731
+    outs, lses, dqs, dkvs = run_schedule(
+        kernel, shard(q), shard(k), shard(v), shard(dout), causal=True, softmax_scale=DIM**-0.5,
+        sliding_window=window, cu_seqlens=cu,
+    )  # fmt: skip
+    return (
+        zigzag_unshard([outs[r] for r in range(n)]),
+        zigzag_unshard([lses[r] for r in range(n)], dim=2),
+        zigzag_unshard([dqs[r] for r in range(n)]),
+        zigzag_unshard([g[0] for g in dkvs]),
+        zigzag_unshard([g[1] for g in dkvs]),
+    )
+
+
+class _NoStrips:
+    """The torch backend without its strip capability: bands as unmasked + causal calls (what the
+    CUDA torch kernels get), run on CPU."""
+
+    name = "torch-squares"
+
+    def __init__(self):
+        from ringft.ops.backends import get_backend
+
+        self._inner = get_backend("torch", torch.device("cpu"))
+
+    def check(self, q):
+        return None
+
+    def forward(self, *args):
+        return self._inner.forward(*args)
+
+    def backward(self, *args):
+        return self._inner.backward(*args)
+
+
+@pytest.mark.numerics
+def test_emulated_paths_match_oracle(monkeypatch):
+    """fp64 through every way a band is computed: strips with tiles smaller than a chunk (torch on
+    CPU), squares (torch without masks, as on CUDA), the reference's mask, and flash-attn's
+    window_size through the stand-ins of the 2.4-2.6 (tuple) and 2.7-2.8 (custom op) generations."""
+    import ringft.ops.band as band_module
+    import ringft.ops.torch_backend as torch_backend
+    from ringft.ops.backends import FlashAttnBackend, get_backend
+
+    monkeypatch.setattr(torch_backend, "CPU_BAND_TILE", 3)
+    band_module.strip_runs.cache_clear()
+    cpu = torch.device("cpu")
+    kernels = {
+        "strips": get_backend("torch", cpu),
+        "squares": _NoStrips(),
+        "reference": get_backend("reference", cpu),
+        "flash-2.4.0": FlashAttnBackend(module=make_stub("2.4.0", []), version="2.4.0"),
+        "flash-2.8.3": FlashAttnBackend(module=make_stub("2.8.3", []), version="2.8.3"),
+    }
+    for name, kernel in kernels.items():
+        flash = name.startswith("flash")
+        for n in (1, 2, 3, 4) if not flash else (2, 3):
+            for i, w in enumerate(windows(n) if not flash else (1, 5, 13)):
+                cu = DOCS if i % 2 else None
+                q, k, v, dout = _inputs(10 * n + i, hq=4, hkv=1 if i % 3 == 0 else 2, dtype=torch.float64)
+                ref = _oracle(q, k, v, dout, w, cu)
+                got = _emulate(kernel, q, k, v, dout, n, w, cu)
+                limit = 1e-6 if flash else 1e-10  # flash-attn's lse is fp32 (2^-24 x |lse| <= 10)
+                for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+                    assert _rel(g, r) < limit, (
+                        f"{name} N={n} w={w} docs={cu is not None} {what}: {_rel(g, r):.1e}"
+                    )
+    band_module.strip_runs.cache_clear()
+
+
+def test_outside_blocks_are_never_computed():
+    """Pairs the kernels compute: every call holds visible pairs only up to the strips' edge waste,
+    and a chunk pair outside the window never reaches a kernel. S = 1024 over N = 4 (chunks of 128),
+    window 64, strips of 16 rows: each row computes at most 15 keys it does not see (half a strip
+    at each edge of the band), and the whole is under 1/6 of causal attention."""
+    from ringft.ops.backends import get_backend
+
+    seq, n, w, tile = 1024, 4, 64, 16
+    inner = get_backend("torch", torch.device("cpu"))
+    computed = [0]
+
+    class Counting:
+        name = "counting"
+        band_tile = staticmethod(lambda q, window: tile)
+        causal_tile = staticmethod(inner.causal_tile)
+
+        def check(self, q):
+            return None
+
+        def forward(self, q, k, v, causal, scale):
+            computed[0] += q.shape[0] * q.shape[1] * k.shape[1]
+            return inner.forward(q, k, v, causal, scale)
+
+        def forward_masked(self, q, k, v, mask, scale):
+            computed[0] += q.shape[0] * q.shape[1] * k.shape[1]
+            return inner.forward_masked(q, k, v, mask, scale)
+
+        backward = inner.backward
+        backward_masked = inner.backward_masked
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, seq, 2, 8, generator=gen)
+    k, v = torch.randn(1, seq, 1, 8, generator=gen), torch.randn(1, seq, 1, 8, generator=gen)
+    shard = lambda t: [zigzag_shard(t, r, n).contiguous() for r in range(n)]  # noqa: E731
+    run_schedule(
+        Counting(), shard(q), shard(k), shard(v), None, causal=True, softmax_scale=0.3, sliding_window=w
+    )
+    plan = window_plan(seq, n, w)
+    visible = sum(plan.attention_pairs(r) for r in range(n))
+    assert visible == sum(min(i + 1, w) for i in range(seq))
+    assert visible <= computed[0] <= visible + (tile - 1) * seq
+    assert computed[0] < seq * (seq + 1) / 2 / 6
+    # No chunk pair beyond the window is ever planned.
+    c = seq // (2 * n)
+    assert not chunks_meet(5, 3, c, w) and chunks_meet(5, 4, c, w) and plan.steps == 1
+
+
+def window_worker(rank: int, world: int) -> dict:
+    """Every config on this rank: errors against the oracle (and the one-process bf16 baseline),
+    the K/V traffic (counted sends), and whether windows >= S equal no window bit for bit."""
+    import torch.distributed as dist
+
+    single = [dist.new_group([r]) for r in range(world)][rank]  # this rank alone: one process
+    real, sent = dist.batch_isend_irecv, []
+
+    def counting(ops):
+        sent.extend((op.peer, op.tensor.numel(), op.tensor.dtype) for op in ops if op.op is dist.isend)
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    records, c = [], SEQ // (2 * world)
+    configs = []
+    for i, w in enumerate(windows(world)):  # GQA fp32 and MQA bf16 with and without documents
+        configs += [("torch", 4, 2, torch.float32, w, DOCS if i % 2 else None)]
+        configs += [("torch", 4, 1, torch.bfloat16, w, None if i % 2 else DOCS)]
+        if i in (0, 3):
+            configs += [("reference", 4, 2, torch.float32, w, DOCS)]
+    shard = lambda t: zigzag_shard(t, rank, world).detach().clone()  # noqa: E731
+    for i, (backend, hq, hkv, dtype, w, cu) in enumerate(configs):
+        q, k, v, dout = _inputs(100 * world + i, hq=hq, hkv=hkv, dtype=dtype)
+        ref = _oracle(q, k, v, dout, w, cu)
+        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        sent.clear()
+        out, lse = zigzag_ring_attention(
+            ql, kl, vl, backend=backend, return_lse=True, cu_seqlens=cu, sliding_window=w
+        )
+        forward_sent = list(sent)
+        out.backward(shard(dout))
+        got = (out, lse, ql.grad, kl.grad, vl.grad)
+        want = (shard(ref[0]), zigzag_shard(ref[1], rank, world, dim=2), *(shard(g) for g in ref[2:]))
+        errors = [_rel(g, r) for g, r in zip(got, want)]
+        base = None
+        if dtype == torch.bfloat16:
+            qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+            of, lf = zigzag_ring_attention(
+                qf, kf, vf, backend=backend, group=single, return_lse=True, cu_seqlens=cu, sliding_window=w
+            )
+            of.backward(dout)
+            base = [_rel(g, r) for g, r in zip((of, lf, qf.grad, kf.grad, vf.grad), ref)]
+        plan = window_plan(SEQ, world, w)
+        records.append(
+            {
+                "config": (backend, hq, hkv, str(dtype), w, cu is not None),
+                "errors": errors,
+                "baseline": base,
+                "forward_sent": forward_sent,
+                "backward_sent": list(sent[len(forward_sent) :]),
+                "plan_elements": plan.chunks_sent(rank) * 2 * 2 * c * hkv * DIM,
+                "plan_received": sum(map(len, plan.needs[rank])) * 2 * 2 * c * hkv * DIM,
+                "plan_peers": sorted({p for s in range(1, plan.steps + 1) for p, _ in plan.sends(rank, s)}),
+            }
+        )
+    # A window that every key is in runs the unwindowed ring itself: identical bits.
+    q, k, v, _ = (shard(t) for t in _inputs(7))
+    same = all(
+        torch.equal(
+            zigzag_ring_attention(q, k, v, sliding_window=w, cu_seqlens=cu),
+            zigzag_ring_attention(q, k, v, cu_seqlens=cu),
+        )
+        for w in (SEQ, SEQ + 5)
+        for cu in (None, DOCS)
+    )
+    dist.batch_isend_irecv = real
+    return {"records": records, "window_ge_seq_identical": same}
+
+
+def check_window_results(results: list[dict], world: int) -> None:
+    """Assert on every rank's :func:`window_worker` result (called by the distributed test, which
+    runs in ``tests/model/test_windows_hf.py`` on the same processes as the Mistral checks: one
+    spawn per world size for both, since starting processes costs more than the checks)."""
+    c = SEQ // (2 * world)
+    for rank, result in enumerate(results):
+        assert result["window_ge_seq_identical"]
+        for rec in result["records"]:
+            backend, hq, hkv, dtype, w, docs = tag = rec["config"]
+            for j, (what, err) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), rec["errors"])):
+                limit = FP32_REL if dtype == "torch.float32" else 2 * rec["baseline"][j] + 4e-3
+                assert err <= limit, f"N={world} rank {rank} {tag} {what}: {err:.2e} > {limit:.2e}"
+            # K/V travel only to the ranks the window reaches, exactly the planned chunks; the
+            # backward sends them again, and the dK/dV (fp32) of the chunks it received back.
+            fwd, bwd = rec["forward_sent"], rec["backward_sent"]
+            assert sum(n for _, n, _ in fwd) == rec["plan_elements"], tag
+            assert sorted({p for p, _, _ in fwd}) == rec["plan_peers"], tag
+            assert sum(n for _, n, _ in bwd) == rec["plan_elements"] + rec["plan_received"], tag
+            if dtype == "torch.bfloat16":  # K/V in bf16, their dK/dV in fp32
+                assert sum(n for _, n, d in bwd if d == torch.float32) == rec["plan_received"], tag
+            if w <= c:  # one chunk of history: only the neighbours, at most one chunk each way
+                assert all(abs(p - rank) == 1 for p, _, _ in fwd), tag
+                assert sum(n for _, n, _ in fwd) <= 2 * 2 * c * hkv * DIM * 2, tag
