@@ -226,9 +226,11 @@ def _ring(case: Case, group, rank: int, size: int) -> dict:
     logits = zigzag_gather(logits.detach(), group)
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=group)
-    grads = _grads(model)
-    for g in grads.values():
-        dist.all_reduce(g, group=group)  # each CP rank holds a partial gradient of the same replica
+    local = _grads(model)
+    flat = torch.cat([g.flatten() for g in local.values()])  # one all_reduce for every gradient
+    dist.all_reduce(flat, group=group)  # each CP rank holds a partial gradient of the same replica
+    parts = flat.split([g.numel() for g in local.values()])
+    grads = {name: part.view_as(g) for (name, g), part in zip(local.items(), parts)}
     if case.kind == "packed":
         (members,) = collator.last_rows  # documents are reordered inside the row
         got, at = [None] * len(members), 0
