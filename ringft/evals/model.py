@@ -3,6 +3,7 @@ loading it (a full model folder or hub name, or a LoRA adapter folder merged ont
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from ringft.evals.checks import EvalInputError
+from ringft.model.families import global_rope
 
 # Files whose size and modification time identify a model folder's weights and settings.
 _IDENTITY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
@@ -50,8 +52,9 @@ def adapter_base(path: str) -> str:
 def load_config(path: str, rope_theta: float | None = None) -> Any:
     """The model's config without its weights. For an adapter folder: the config saved next to the
     adapter (ringft's trainer saves the run's RoPE overrides there), else the base model's.
-    ``rope_theta`` overrides ``config.rope_parameters["rope_theta"]`` (ValueError when the config
-    has no RoPE parameters to override)."""
+    ``rope_theta`` overrides ``config.rope_parameters["rope_theta"]`` (with RoPE per layer type, the
+    global layers': :func:`ringft.model.families.global_rope`; ValueError when the config has no
+    RoPE parameters to override)."""
     from transformers import AutoConfig
 
     source = path
@@ -66,13 +69,15 @@ def load_config(path: str, rope_theta: float | None = None) -> Any:
             f"({reason}); give a model folder or a reachable hub name"
         ) from None
     if rope_theta is not None:
-        params = getattr(config, "rope_parameters", None)
-        if not isinstance(params, dict) or "rope_theta" not in params:
+        params = copy.deepcopy(getattr(config, "rope_parameters", None))
+        target = global_rope(params) if isinstance(params, dict) else None
+        if not isinstance(target, dict) or "rope_theta" not in target:
             raise ValueError(
                 f"--rope-theta {rope_theta:g}: {type(config).__name__} has no rope_parameters "
                 "with a rope_theta to override; set it in the model's config.json instead"
             )
-        config.rope_parameters = {**params, "rope_theta": float(rope_theta)}
+        target["rope_theta"] = float(rope_theta)  # Gemma 3: the global layers' base
+        config.rope_parameters = params
     return config
 
 

@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "zigzag_ring"
-TESTED_MODEL_TYPES = ("llama", "mistral")
 MIN_TRANSFORMERS = (5, 0)
 
 
@@ -122,6 +121,11 @@ def ring_attention_forward(
             "zigzag ring attention got an attention mask; padding masks are not supported. Right-pad "
             "with RingDataCollator (pads are excluded from the loss by ignore_index) instead of masking"
         )
+    from ringft.model.families import call_problem  # (imported here: patch.py's imports stay as they are)
+
+    unsupported = call_problem(kwargs)
+    if unsupported:
+        raise ValueError(unsupported)
     if dropout:
         raise ValueError(
             f"attention dropout ({dropout}) is not supported by ring attention: set "
@@ -173,11 +177,9 @@ def _register() -> None:
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [
-        m
-        for m in model.modules()
-        if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "layer_idx")
-    ]
+    from ringft.model.families import attention_modules  # found by what they pass, not by name
+
+    return attention_modules(model)
 
 
 def _input_check_hook(spec: RingSpec, config):
@@ -196,7 +198,8 @@ def apply_ring_attention(
     ulysses_size: int | None = None,
     allow_untested: bool = False,
 ) -> torch.nn.Module:
-    """Switch a LLaMA- or Mistral-family model to zigzag ring attention over ``cp_group``.
+    """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`: LLaMA, Mistral,
+    Qwen2/2.5, Qwen3, Gemma 3 text, Phi-3, OLMo 2) to zigzag ring attention over ``cp_group``.
 
     ``cp_group``: the CP process group (``None``: the default group), or, for 2D context
     parallelism (Ulysses x ring), the layout of :func:`ringft.ops.build_hybrid_layout` (or its
@@ -216,21 +219,15 @@ def apply_ring_attention(
         )
     pretrained = pretrained_model(model)
     config = getattr(pretrained, "config", None)
-    model_type = getattr(config, "model_type", None)
     attn_modules = _attention_modules(model)
-    if config is None or not attn_modules:
+    from ringft.model.families import SUPPORTED_MODEL_TYPES, check_model
+
+    if config is None:
         raise ValueError(
-            f"{type(model).__name__} is not a transformers model with LLaMA-style attention; "
-            f"supported: {', '.join(TESTED_MODEL_TYPES)} (LlamaForCausalLM, MistralForCausalLM and "
-            "their base models)"
+            f"{type(model).__name__} is not a transformers model (no config); supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (their *ForCausalLM and base models)"
         )
-    if model_type not in TESTED_MODEL_TYPES and not allow_untested:
-        raise ValueError(
-            f"model type {model_type!r} is not supported by ringft; supported: "
-            f"{', '.join(TESTED_MODEL_TYPES)}. Other models whose attention goes through "
-            "transformers' AttentionInterface may work: pass allow_untested=True and compare against a "
-            "one-process run"
-        )
+    check_model(config, attn_modules, allow_untested)
     group, hybrid = resolve_cp_groups(cp_group, ulysses_size)  # (may build groups: every rank calls it)
     rank, size = group_rank_and_size(group)
     uly = 1 if hybrid is None else hybrid.sizes()[0]

@@ -1,4 +1,4 @@
-"""Tiled MLP: run the SwiGLU MLP of LLaMA / Mistral over token tiles, each under a checkpoint.
+"""Tiled MLP: run the gated MLP of a supported family over token tiles, each under a checkpoint.
 
 The MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` is the largest activation of a decoder
 layer: ``gate``, ``act_fn(gate)``, ``up`` and their product are ``tokens x intermediate`` each
@@ -32,7 +32,9 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["enable_tiled_mlp", "disable_tiled_mlp", "is_tiled_mlp", "mlp_modules"]
 
 _STATE = "_ringft_tiled_mlp"
-_MLP_CLASSES = ("LlamaMLP", "MistralMLP")
+# The per-token gated MLPs (SwiGLU; Gemma 3: GeGLU; Phi-3: fused gate_up_proj) of the supported
+# families (ringft.model.families): each is a plain ``forward(x)``, independent per token.
+_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Phi3MLP", "Olmo2MLP")
 
 
 class _TiledState:
@@ -46,7 +48,7 @@ class _TiledState:
 
 
 def mlp_modules(model: nn.Module) -> list[nn.Module]:
-    """The LLaMA / Mistral MLP modules of ``model`` (peft-wrapped models included)."""
+    """The MLP modules of ``model`` (peft-wrapped models included) of a supported family."""
     return [m for m in model.modules() if type(m).__name__ in _MLP_CLASSES]
 
 
@@ -79,10 +81,10 @@ def _make_forward(module: nn.Module):
 
 
 def enable_tiled_mlp(model: nn.Module, num_tiles: int | None = None, tile_tokens: int = 8192) -> nn.Module:
-    """Compute every LLaMA / Mistral MLP of ``model`` over token tiles (see the module docstring).
+    """Compute every MLP of ``model`` over token tiles (see the module docstring).
 
     Args:
-        model: a transformers LLaMA / Mistral model (or a peft wrapper of one).
+        model: a transformers model of a supported family (or a peft wrapper of one).
         num_tiles: split the (batch x sequence) tokens of each MLP call into this many tiles;
             when given it overrides ``tile_tokens``.
         tile_tokens: tokens per tile (the last tile may be smaller).
@@ -97,8 +99,8 @@ def enable_tiled_mlp(model: nn.Module, num_tiles: int | None = None, tile_tokens
     modules = mlp_modules(model)
     if not modules:
         raise ValueError(
-            f"{type(model).__name__} has no LLaMA/Mistral MLP module ({', '.join(_MLP_CLASSES)}); "
-            "the tiled MLP supports LLaMA- and Mistral-family models"
+            f"{type(model).__name__} has no MLP module of a supported family ({', '.join(_MLP_CLASSES)}); "
+            "the tiled MLP supports the families of ringft.model.families"
         )
     for module in modules:
         state: _TiledState | None = getattr(module, _STATE, None)

@@ -115,6 +115,27 @@ def _linear_inputs(s: TrainingSetup, modules: Sequence[str], in_features: int, r
     return kept, extra
 
 
+def _qk_norm_saved(m: ModelShape, s: TrainingSetup) -> int:
+    """Per token, what q/k RMSNorms keep (Qwen3, Gemma 3, OLMo 2): the fp32 input ``4*(q + kv)``
+    (in fp32 the projection's output itself, kept by nothing else), one ``rsqrt`` per normalised
+    row (4 B per head, or per token over all heads) and the normalised value ``a*(q + kv)`` if the
+    norm weights train."""
+    if not m.qk_norm:
+        return 0
+    width = (m.heads + m.kv_heads) * m.head_dim
+    rows = m.heads + m.kv_heads if m.qk_norm == "head" else 2
+    return 4 * width + 4 * rows + (s.act_bytes * width if not s.lora else 0)
+
+
+def _extra_norms_saved(m: ModelShape, s: TrainingSetup) -> int:
+    """Per token, what the norms beyond the two pre-norms keep (Gemma 3's post-attention and
+    post-feedforward norms): fp32 input ``4*h`` (the o_proj / down_proj output, kept by nothing
+    else), ``rsqrt`` (4 B), the fp32 normalised value ``4*h`` if the weight trains (Gemma's norm
+    multiplies in fp32)."""
+    extra = max(m.norms - 2, 0)
+    return extra * (4 * m.hidden + 4 + (4 * m.hidden if not s.lora else 0))
+
+
 def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     """Bytes one decoder layer keeps for its backward (what a recompute re-creates).
 
@@ -123,7 +144,8 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     - ``norm1``: the RMSNorm's fp32 copy of its input ``4*h`` (none in fp32: the input is the
       checkpointed layer input), ``rsqrt`` (4 B), the normalised value ``a*h`` if the norm weight
       trains, and the norm's output ``a*h`` if q/k/v keep it (their weights train);
-    - ``attention``: RoPE'd q, k, v and the output ``a*(2*nh + 2*nkv)*d``, fp32 lse ``4*nh``;
+    - ``attention``: RoPE'd q, k, v and the output ``a*(2*nh + 2*nkv)*d``, fp32 lse ``4*nh``; the
+      q/k norms' tensors (:func:`_qk_norm_saved`) and the extra norms' (:func:`_extra_norms_saved`);
       Ulysses x ring (``U > 1``): the ring keeps the head shards of q, k, v (K/V heads ``nkv'`` =
       :func:`kv_heads_sent`, replicated where ``U`` does not divide ``nkv``) and of the output, and
       o_proj the output's all-to-all'd copy: ``a*(3*nh + 2*nkv')*d``;
@@ -142,19 +164,20 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     trains = not s.lora
     r = s.lora_rank
     norm_y = a * h if trains else 0
-    n1_kept, lora_attn = _linear_inputs(s, ("q_proj", "k_proj", "v_proj"), h, r)
+    n1_kept, lora_attn = _linear_inputs(s, m.projections("qkv"), h, r)
     norm1 = (4 * h if a != 4 else 0) + 4 + norm_y + (a * h if n1_kept else 0)
     attention = a * (2 * q + 2 * kv) + 4 * m.heads
     if s.ulysses_size > 1:
         attention = a * (3 * q + 2 * kv_heads_sent(m, s) * d) + 4 * m.heads
-    lora_attn += _linear_inputs(s, ("o_proj",), q, r)[1]  # the attention output is kept anyway
-    n2_kept, lora_mlp = _linear_inputs(s, ("gate_proj", "up_proj"), h, r)
+    attention += _qk_norm_saved(m, s) + _extra_norms_saved(m, s)
+    lora_attn += _linear_inputs(s, m.projections("o"), q, r)[1]  # the attention output is kept anyway
+    n2_kept, lora_mlp = _linear_inputs(s, m.projections("gate_up"), h, r)
     if s.tiled_mlp:
         norm2 = 4 * h + 4 + norm_y + a * h
         mlp, lora_mlp = 0, 0
     else:
         norm2 = 4 * h + 4 + norm_y + (a * h if n2_kept else 0)
-        p_kept, p_extra = _linear_inputs(s, ("down_proj",), i, r)
+        p_kept, p_extra = _linear_inputs(s, m.projections("down"), i, r)
         mlp = 3 * a * i + (a * i if p_kept else 0)
         lora_mlp += p_extra
     t = s.tokens
@@ -212,8 +235,8 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
     t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
     if s.tiled_mlp:
         tile = _mlp_tile(m, s)
-        tile_lora = _linear_inputs(s, ("gate_proj", "up_proj"), h, s.lora_rank)[1]
-        tile_lora += _linear_inputs(s, ("down_proj",), i, s.lora_rank)[1]
+        tile_lora = _linear_inputs(s, m.projections("gate_up"), h, s.lora_rank)[1]
+        tile_lora += _linear_inputs(s, m.projections("down"), i, s.lora_rank)[1]
         mlp_extra = tile * (6 * a * i + tile_lora) + a * t * h
     else:
         mlp_extra = 6 * a * t * i - saved["mlp"]

@@ -20,10 +20,17 @@ def format_plan(plan: MemoryPlan) -> str:
     mode = f"LoRA r={s.lora_rank} ({','.join(s.lora_targets)})" if s.lora else "full fine-tuning"
     loss = f"chunked loss (chunk {s.loss_chunk_size})" if s.chunked_loss else "unchunked loss (full logits)"
     split = f" (ulysses {s.ulysses_size} x ring {s.ring_size})" if s.ulysses_size > 1 else ""
+    windowed = [w for w in m.windows if w is not None]
+    window = (
+        f"; sliding window {'/'.join(str(w) for w in sorted(set(windowed)))} on {len(windowed)} of "
+        f"{m.layers} layers (fewer attention FLOPs, same memory)"
+        if windowed
+        else ""
+    )
     lines = [
         f"model {m.name}: h={m.hidden} i={m.intermediate} L={m.layers} heads={m.heads} kv_heads={m.kv_heads} "
         f"head_dim={m.head_dim} V={m.vocab}{' (tied)' if m.tie_embeddings else ''}; "
-        f"{plan.params_total / 1e9:.3f}B params, {plan.params_trainable / 1e6:.1f}M trainable",
+        f"{plan.params_total / 1e9:.3f}B params, {plan.params_trainable / 1e6:.1f}M trainable{window}",
         f"layout: {s.num_gpus} GPUs = dp {s.dp_size} x cp {s.cp_size}"
         f"{split}; S={s.seq_len} -> "
         f"{s.seq_local} tokens/rank x micro-batch {s.micro_batch_size}; {s.dtype}, {mode}, "

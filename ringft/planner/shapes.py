@@ -1,8 +1,12 @@
-"""Model shapes for the planner: the sizes of a LLaMA/Mistral-style decoder that memory depends on.
+"""Model shapes for the planner: the sizes of a decoder that memory depends on.
 
 ``h`` hidden size, ``i`` MLP intermediate size, ``L`` layers, ``nh`` attention heads, ``nkv``
-key/value heads, ``d`` head dim, ``V`` vocabulary. Read from presets (:data:`PRESETS`, no
-download), a config dict or ``PretrainedConfig``, a config.json, or a model directory.
+key/value heads, ``d`` head dim (Gemma 3, Qwen3: not ``h / nh``), ``V`` vocabulary, and the family
+facts of :data:`ringft.model.families.FAMILIES` (q/k norms, q/k/v bias, norms per layer, fused
+projections). Read from presets (:data:`PRESETS`, no download), a config dict or
+``PretrainedConfig`` (a multimodal config's ``text_config``), a config.json, or a model directory.
+Sliding windows are recorded (``windows``) but change no memory term: a window lowers the attention
+FLOPs, while every rank still keeps the K/V of all its local tokens for the backward.
 """
 
 from __future__ import annotations
@@ -13,69 +17,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ringft.model.families import FAMILIES, layer_windows
+from ringft.planner.presets import PRESET_ALIASES, PRESETS
+
 __all__ = ["DEFAULT_LORA_TARGETS", "PRESETS", "ModelShape", "load_model_shape"]
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-#: Model shapes as transformers config dicts (hub configs cannot be downloaded everywhere).
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3-8b": {
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-    },
-    "llama-3.2-1b": {
-        "model_type": "llama",
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 128256,
-        "tie_word_embeddings": True,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-    },
-    "mistral-7b": {  # v0.3 shape: 32768 vocabulary, no sliding window
-        "model_type": "mistral",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 32768,
-        "tie_word_embeddings": False,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 32768,
-        "sliding_window": None,
-        "rms_norm_eps": 1e-5,
-    },
-}
-_PRESET_ALIASES = {
-    "meta-llama/meta-llama-3-8b": "llama-3-8b",
-    "meta-llama/llama-3.1-8b": "llama-3-8b",
-    "llama-3.1-8b": "llama-3-8b",
-    "meta-llama/llama-3.2-1b": "llama-3.2-1b",
-    "mistralai/mistral-7b-v0.3": "mistral-7b",
-    "mistral-7b-v0.3": "mistral-7b",
-}
-
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a LLaMA/Mistral-style decoder that memory depends on."""
+    """The sizes of a decoder that memory depends on (a LLaMA-style layer plus the family facts)."""
 
     name: str
     hidden: int  # h
@@ -88,13 +40,26 @@ class ModelShape:
     tie_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False  # q/k/v projections with bias, o_proj without (Qwen2)
+    qk_norm: str = ""  # "head": RMSNorm over each head (Qwen3, Gemma 3); "all": over all heads (OLMo 2)
+    norms: int = 2  # RMSNorms per decoder layer (Gemma 3: 4)
+    fused: bool = False  # qkv_proj and gate_up_proj (Phi-3)
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full attention)
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
-        """From a transformers ``PretrainedConfig`` or a config dict (transformers key names)."""
+        """From a transformers ``PretrainedConfig`` or a config dict (transformers key names); a
+        multimodal config (Gemma 3 4B+) gives its ``text_config``."""
         get = (
             config.get if isinstance(config, Mapping) else lambda k, default=None: getattr(config, k, default)
         )
+        text = get("text_config")
+        if text is not None:
+            text = dict(text) if isinstance(text, Mapping) else text
+            if isinstance(text, dict):
+                text.setdefault("model_type", f"{get('model_type')}_text")
+            return cls.from_config(text, name=name or get("_name_or_path"))
+        family = FAMILIES.get(get("model_type"))
         try:
             hidden = int(get("hidden_size"))
             heads = int(get("num_attention_heads"))
@@ -110,6 +75,11 @@ class ModelShape:
                 tie_embeddings=bool(get("tie_word_embeddings", False)),
                 attention_bias=bool(get("attention_bias", False)),
                 mlp_bias=bool(get("mlp_bias", False)),
+                qkv_bias=bool(family and family.qkv_bias),
+                qk_norm=family.qk_norm if family else "",
+                norms=family.norms if family else 2,
+                fused=bool(family and family.fused),
+                windows=tuple(layer_windows(config)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(
@@ -122,13 +92,21 @@ class ModelShape:
 
     # parameter counts ------------------------------------------------------------------------
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(in_features, out_features)`` of each projection of one decoder layer."""
+        """``(in_features, out_features)`` of each projection of one decoder layer, by module name
+        (Phi-3's fused ``qkv_proj`` ``(h, q + 2*kv)`` and ``gate_up_proj`` ``(h, 2*i)``)."""
         h, i, q, kv = (
             self.hidden,
             self.intermediate,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
         )
+        if self.fused:
+            return {
+                "qkv_proj": (h, q + 2 * kv),
+                "o_proj": (q, h),
+                "gate_up_proj": (h, 2 * i),
+                "down_proj": (i, h),
+            }
         return {
             "q_proj": (h, q),
             "k_proj": (h, kv),
@@ -139,15 +117,37 @@ class ModelShape:
             "down_proj": (i, h),
         }
 
+    def projections(self, group: str) -> tuple[str, ...]:
+        """The module names of one input-sharing group: ``"qkv"`` (they read the first norm's
+        output), ``"o"``, ``"gate_up"`` (the second norm's output) or ``"down"``."""
+        if group == "qkv":
+            return ("qkv_proj",) if self.fused else ("q_proj", "k_proj", "v_proj")
+        if group == "gate_up":
+            return ("gate_up_proj",) if self.fused else ("gate_proj", "up_proj")
+        return {"o": ("o_proj",), "down": ("down_proj",)}[group]
+
+    @property
+    def qk_norm_params(self) -> int:
+        """q/k RMSNorm weights of one layer: ``2*d`` per head (shared by the heads), or
+        ``(nh + nkv)*d`` over all heads; 0 without q/k norms."""
+        if self.qk_norm == "head":
+            return 2 * self.head_dim
+        if self.qk_norm == "all":
+            return (self.heads + self.kv_heads) * self.head_dim
+        return 0
+
     @property
     def layer_params(self) -> int:
-        """One decoder layer: ``h*nh*d + 2*h*nkv*d + nh*d*h + 3*h*i + 2*h`` (+ biases)."""
-        n = sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden
+        """One decoder layer: ``h*nh*d + 2*h*nkv*d + nh*d*h + 3*h*i + norms*h`` (+ biases, + q/k
+        norm weights)."""
+        n = sum(a * b for a, b in self.linear_shapes().values()) + self.norms * self.hidden
         if self.attention_bias:
             n += (self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden
+        elif self.qkv_bias:
+            n += (self.heads + 2 * self.kv_heads) * self.head_dim
         if self.mlp_bias:
             n += 2 * self.intermediate + self.hidden
-        return n
+        return n + self.qk_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -184,7 +184,7 @@ def load_model_shape(model: Any) -> ModelShape:
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"cannot read a model shape from {type(model).__name__}")
     key = str(model).strip()
-    preset = _PRESET_ALIASES.get(key.lower(), key.lower())
+    preset = PRESET_ALIASES.get(key.lower(), key.lower())
     if preset in PRESETS:
         return ModelShape.from_config(PRESETS[preset], name=preset)
     if os.path.isfile(key):

@@ -2,18 +2,21 @@
 optimizer parameter groups.
 
 Everything that can be refused without the weights is refused here before they load: a tokenizer
-larger than the model's embedding, a RoPE type that is not exact under CP, a sliding window shorter
-than the training length, a model folder that does not exist.
+larger than the model's embedding, a RoPE type that is not exact under CP, a sliding window the
+model's family cannot take, a model folder that does not exist. LoRA targets the model does not have
+are refused by name before peft sees them.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ringft.model.families import family_of, global_rope, set_window
 from ringft.model.rope import PRETRAINED_LENGTH_ROPE, rope_problem
 from ringft.ops.dtypes import dtype_from_name
 from ringft.ops.ulysses import heads_problem
@@ -70,10 +73,12 @@ def _load_pretrained_config(name: str) -> Any:
 
 
 def _rope_parameters(config: Any, recipe: Recipe) -> dict[str, Any]:
-    """The config's RoPE parameters with the recipe's ``rope_scaling`` / ``rope_theta`` applied and,
-    for YaRN / llama3 / longrope, the *pretraining* context as ``original_max_position_embeddings``."""
+    """The config's RoPE parameters with the recipe's ``rope_scaling`` / ``rope_theta`` applied (for
+    RoPE per layer type, to the global layers: :func:`ringft.model.families.global_rope`) and, for
+    YaRN / llama3 / longrope, the *pretraining* context as ``original_max_position_embeddings``."""
     m = recipe.model
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    everything = copy.deepcopy(dict(getattr(config, "rope_parameters", None) or {}))
+    rope = global_rope(everything)  # Gemma 3: the global layers' entry; local layers keep theirs
     if m.rope_scaling:
         asked = dict(m.rope_scaling)
         if "type" in asked:
@@ -88,17 +93,18 @@ def _rope_parameters(config: Any, recipe: Recipe) -> dict[str, Any]:
             getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
         )
         rope.setdefault("original_max_position_embeddings", pretrained)
-    return rope
+    return everything
 
 
 def model_config(recipe: Recipe, tokenizer_size: int | None = None) -> Any:
     """The transformers config the recipe trains (no weights loaded), with its overrides applied.
 
     Raises :class:`RecipeError` for a tokenizer of more than ``vocab_size`` tokens, a
-    position-dependent RoPE (dynamic, longrope) with CP > 1, and a sliding window shorter than
-    ``data.seq_len``.
+    position-dependent RoPE (dynamic, longrope) with CP > 1, and a ``model.sliding_window`` the
+    family cannot take (:func:`ringft.model.families.set_window`). Windows shorter than
+    ``data.seq_len`` are honoured exactly on the ring.
     """
-    from transformers import LlamaConfig, MistralConfig
+    from transformers import AutoConfig
 
     m = recipe.model
     if m.config is not None:
@@ -106,7 +112,7 @@ def model_config(recipe: Recipe, tokenizer_size: int | None = None) -> Any:
         if tokenizer_size is not None:
             kwargs.setdefault("vocab_size", tokenizer_size)
         try:
-            config = {"llama": LlamaConfig, "mistral": MistralConfig}[m.model_type](**kwargs)
+            config = AutoConfig.for_model(m.model_type, **kwargs)
         except (TypeError, ValueError) as exc:
             raise RecipeError(
                 f"model.config is not a valid {m.model_type} config: {_first_line(exc)}"
@@ -118,15 +124,18 @@ def model_config(recipe: Recipe, tokenizer_size: int | None = None) -> Any:
         config.rope_parameters = rope
     if m.max_position_embeddings is not None:
         config.max_position_embeddings = m.max_position_embeddings
-    if m.sliding_window != "keep" and hasattr(config, "sliding_window"):
-        config.sliding_window = m.sliding_window
+    if m.sliding_window != "keep":
+        try:
+            set_window(config, m.sliding_window)
+        except ValueError as exc:
+            raise RecipeError(f"model.sliding_window={m.sliding_window}: {exc}") from None
     config.use_cache = False
     _check_config(recipe, config, tokenizer_size)
     return config
 
 
 def _check_config(recipe: Recipe, config: Any, tokenizer_size: int | None) -> None:
-    cp, seq_len = recipe.parallel.cp_size, recipe.data.seq_len
+    cp = recipe.parallel.cp_size
     vocab = getattr(config, "vocab_size", None)
     if tokenizer_size is not None and vocab is not None and tokenizer_size > vocab:
         raise RecipeError(
@@ -140,12 +149,6 @@ def _check_config(recipe: Recipe, config: Any, tokenizer_size: int | None) -> No
     heads = heads_problem(getattr(config, "num_attention_heads", 0), ulysses, cp) if ulysses > 1 else None
     if heads:
         raise RecipeError(f"parallel.ulysses_size: {heads}")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < seq_len:
-        raise RecipeError(
-            f"the model's sliding_window={window} is shorter than data.seq_len={seq_len}: the ring attends "
-            "to the whole sequence; set model.sliding_window: null (full attention) or a shorter seq_len"
-        )
 
 
 def build_model(recipe: Recipe, vocab_size: int | None = None, config: Any = None) -> nn.Module:
@@ -195,6 +198,7 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
         from peft import LoraConfig, get_peft_model
 
         lc = recipe.lora
+        _check_lora_targets(model, lc.target_modules)
         model = get_peft_model(
             model,
             LoraConfig(
@@ -209,6 +213,19 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
             model.enable_input_require_grads()
     model.train()
     return model
+
+
+def _check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    """Refuse LoRA target names that are no module of ``model`` (Phi-3's attention is ``qkv_proj``)."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        fam = family_of(getattr(model, "config", None))
+        hint = f"; its attention projections are {', '.join(fam.attention_projections)}" if fam else ""
+        raise RecipeError(
+            f"lora.target_modules {missing} are not modules of this "
+            f"{getattr(model.config, 'model_type', type(model).__name__)} model{hint}"
+        )
 
 
 def decay_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

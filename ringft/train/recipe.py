@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from ringft.model.families import SUPPORTED_MODEL_TYPES
 from ringft.model.rope import rope_problem
 from ringft.ops.backends import BACKENDS
 from ringft.ops.cp_sharding import ulysses_size_problem
@@ -43,7 +44,7 @@ __all__ = [
     "validate",
 ]
 
-MODEL_TYPES = ("llama", "mistral")
+MODEL_TYPES = SUPPORTED_MODEL_TYPES  # ringft.model.families: the families the ring runs exactly
 
 
 @dataclass
@@ -53,12 +54,15 @@ class ModelConfig(Section):
     NAME = "model"
     name_or_path: str | None = text(None, optional=True)  # hub name or local path of a pretrained model
     config: dict[str, Any] | None = None  # or: build from this config (LlamaConfig kwargs) from scratch
-    model_type: str = choice("llama", MODEL_TYPES)  # with `config`: llama | mistral
+    # with `config`: llama | mistral | qwen2 | qwen3 | gemma3_text | phi3 | olmo2
+    model_type: str = choice("llama", MODEL_TYPES)
     tokenizer: str | None = text(None, optional=True)  # default name_or_path; "demo" = shipped tokenizer
     rope_theta: float | None = number(None, gt=0, optional=True)  # raise RoPE theta (context extension)
     rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "yarn", "factor": 4.0}
     max_position_embeddings: int | None = integer(None, lo=1, optional=True)
-    sliding_window: str | int | None = "keep"  # "keep" | None (disable) | int
+    # "keep" | None (no window on any layer) | int: the window of the layers the family windows
+    # (Mistral, Phi-3: all; Qwen2/3, Gemma 3: the sliding layers of config.layer_types)
+    sliding_window: str | int | None = "keep"
     attn_backend: str = choice("auto", tuple(BACKENDS))  # auto | torch | flash_attn | reference
     dtype: str = choice("bf16", ("bf16", "fp32"))  # weights' dtype
 

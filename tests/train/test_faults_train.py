@@ -240,8 +240,8 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
     )
     bad(
         "window",
-        recipe("window", model={"model_type": "mistral", "config": {"sliding_window": 32}}),
-        ["sliding_window=32 is shorter than data.seq_len=64", "sliding_window: null"],
+        recipe("window", model={"model_type": "llama", "sliding_window": 32}),
+        ["model.sliding_window=32", "has no sliding-window attention", "sliding_window: keep"],
     )
 
     # checkpoints already there: resume cases and a fresh start over them

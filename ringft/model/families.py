@@ -1,0 +1,328 @@
+"""The model families ringft runs on the ring, and the features it refuses.
+
+Every supported family reaches attention through transformers' ``AttentionInterface``; what differs
+is what arrives there (read from each modeling file of transformers 5.24):
+
+- every family passes ``scaling=module.scaling`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``, not
+  ``head_dim ** -0.5``) and ``dropout`` (0 in eval, ``attention_dropout`` in training);
+- q/k RMSNorm (Qwen3, Gemma 3: per head; OLMo 2: over all heads), q/k/v bias (Qwen2), a fused
+  ``qkv_proj`` (Phi-3) and ``head_dim != hidden / heads`` (Gemma 3, Qwen3) all happen before the
+  call, per token, so they are exact under sharding;
+- the window arrives as the ``sliding_window`` keyword, per layer: Mistral and Phi-3 pass
+  ``config.sliding_window`` on every layer; Qwen2 / Qwen3 / Gemma 3 pass it only on layers whose
+  ``config.layer_types`` entry is ``"sliding_attention"`` (Qwen2/3 derive ``layer_types`` from
+  ``use_sliding_window`` and ``max_window_layers``: layers ``i >= max_window_layers``; Gemma 3 from
+  its 5-local-1-global pattern), others get ``None``. transformers' mask lets a query see the keys
+  ``q - window < k <= q``;
+- Gemma 3's local layers rotate with their own RoPE base (``rope_parameters["sliding_attention"]``),
+  computed from the global position ids, so they are exact under zigzag sharding too.
+
+Refused, because the ring cannot compute them exactly: attention-logit soft-capping (Gemma 2), a
+final-logit soft-cap (the chunked loss and RingInference project with the bare ``lm_head``),
+attention sinks (gpt-oss), bidirectional / non-causal layers, chunked-attention or non-attention
+layer types. Unknown model types need ``allow_untested=True``; the refusals hold for them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # no torch import at run time: the planner reads the table too
+    from torch import nn
+
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_MODEL_TYPES",
+    "Family",
+    "attention_modules",
+    "call_problem",
+    "check_model",
+    "family_of",
+    "global_rope",
+    "layer_windows",
+    "set_window",
+    "unsupported_features",
+]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported model family: its ``model_type``, its transformers classes, where its sliding
+    windows come from (``"none"``, ``"every_layer"``: ``config.sliding_window`` on each layer,
+    ``"layer_types"``: on the layers ``config.layer_types`` marks ``"sliding_attention"``), the
+    names of its attention projections (LoRA targets) and what reaches or surrounds attention.
+
+    Shape facts for the planner: ``qk_norm`` ``""`` / ``"head"`` (an RMSNorm over each head's
+    ``head_dim``) / ``"all"`` (over all heads' q or k, OLMo 2); ``qkv_bias`` (q/k/v projections
+    with bias, o_proj without: Qwen2); ``norms`` RMSNorms per decoder layer (Gemma 3: 4);
+    ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+
+    model_type: str
+    label: str
+    classes: tuple[str, ...]
+    windows: str
+    attention_projections: tuple[str, ...]
+    notes: str
+    qk_norm: str = ""
+    qkv_bias: bool = False
+    norms: int = 2
+    fused: bool = False
+
+
+_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama", "LLaMA 2 / 3.x", ("LlamaForCausalLM", "LlamaModel"), "none", _QKVO, "GQA"),
+        Family(
+            "mistral",
+            "Mistral",
+            ("MistralForCausalLM", "MistralModel"),
+            "every_layer",
+            _QKVO,
+            "GQA; sliding_window on every layer",
+        ),
+        Family(
+            "qwen2",
+            "Qwen2 / Qwen2.5",
+            ("Qwen2ForCausalLM", "Qwen2Model"),
+            "layer_types",
+            _QKVO,
+            "q/k/v bias; windows on layers >= max_window_layers when use_sliding_window",
+            qkv_bias=True,
+        ),
+        Family(
+            "qwen3",
+            "Qwen3",
+            ("Qwen3ForCausalLM", "Qwen3Model"),
+            "layer_types",
+            _QKVO,
+            "per-head q/k RMSNorm; head_dim != hidden/heads; windows as Qwen2",
+            qk_norm="head",
+        ),
+        Family(
+            "gemma3_text",
+            "Gemma 3 (text)",
+            ("Gemma3ForCausalLM", "Gemma3TextModel"),
+            "layer_types",
+            _QKVO,
+            "per-head q/k RMSNorm; scale query_pre_attn_scalar^-0.5; head_dim 256; local (sliding, own "
+            "RoPE base) and global layers per layer_types",
+            qk_norm="head",
+            norms=4,
+        ),
+        Family(
+            "phi3",
+            "Phi-3",
+            ("Phi3ForCausalLM", "Phi3Model"),
+            "every_layer",
+            ("qkv_proj", "o_proj"),
+            "fused qkv_proj; sliding_window on every layer",
+            fused=True,
+        ),
+        Family(
+            "olmo2",
+            "OLMo 2",
+            ("Olmo2ForCausalLM", "Olmo2Model"),
+            "none",
+            _QKVO,
+            "q/k RMSNorm over all heads; post-norms",
+            qk_norm="all",
+        ),
+    )
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def family_of(config: Any) -> Family | None:
+    """The :class:`Family` of a transformers config or config dict (by ``model_type``), None if
+    unsupported."""
+    model_type = (
+        config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    )
+    return FAMILIES.get(model_type)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of ``model`` (peft-wrapped or not), in layer order: the modules that
+    call transformers' attention interface, recognised by what they hand it (``scaling``,
+    ``is_causal``) and their ``layer_idx`` -- not by projection names, which differ (``qkv_proj``)."""
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "scaling") and hasattr(m, "is_causal")
+    ]
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """The ``sliding_window`` each decoder layer's attention gets (None: full causal attention),
+    for a supported family, following transformers' modeling code (see the module docstring).
+    ``config``: a transformers config, or a dict of a config after its ``__post_init__`` (Qwen2's
+    ``layer_types`` already derived)."""
+    get = (
+        config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    )
+    fam = family_of(config)
+    layers = int(get("num_hidden_layers"))
+    window = get("sliding_window")
+    if fam is None or fam.windows == "none" or window is None:
+        return [None] * layers
+    if fam.windows == "every_layer":
+        return [window] * layers
+    kinds = get("layer_types")
+    if not kinds and fam.model_type in ("qwen2", "qwen3"):  # a config.json dict: Qwen2Config's rule
+        start = get("max_window_layers", layers) if get("use_sliding_window", False) else layers
+        kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if not kinds and fam.model_type == "gemma3_text":  # Gemma3TextConfig's rule: 5 local, 1 global
+        pattern = get("sliding_window_pattern", 6)
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    kinds = list(kinds or ["full_attention"] * layers)
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def _layer_type_problem(config: Any) -> str | None:
+    kinds = getattr(config, "layer_types", None) or []
+    odd = sorted({k for k in kinds if k not in _LAYER_TYPES})
+    if odd:
+        return (
+            f"layer_types {odd} (only full_attention and sliding_attention layers run on the ring; "
+            "chunked or linear-attention layers are not supported)"
+        )
+    return None
+
+
+def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
+    """The features of ``config`` / its attention ``modules`` that ring attention cannot compute
+    exactly, each named with the config key or module attribute that asks for it."""
+    found = []
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        found.append(f"attention-logit soft-capping (config.attn_logit_softcapping={softcap})")
+    final = getattr(config, "final_logit_softcapping", None)
+    if final is not None:
+        found.append(
+            f"final-logit soft-capping (config.final_logit_softcapping={final}; ringft's chunked loss and "
+            "RingInference project with the lm_head alone)"
+        )
+    if any(getattr(m, "sinks", None) is not None for m in modules):
+        found.append("attention sinks (the attention module's `sinks`, passed as s_aux)")
+    if getattr(config, "use_bidirectional_attention", False) or any(not m.is_causal for m in modules):
+        found.append("bidirectional (non-causal) attention layers (config.use_bidirectional_attention)")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None:
+        found.append(f"chunked attention (config.attention_chunk_size={chunk})")
+    layer_problem = _layer_type_problem(config)
+    if layer_problem:
+        found.append(layer_problem)
+    return found
+
+
+def _unsupported_type_message(model_type: Any) -> str:
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if model_type == "gemma3":
+        return (
+            "model type 'gemma3' (Gemma3ForConditionalGeneration: text + vision) is not supported by "
+            "ringft: train its text decoder as Gemma3ForCausalLM (model type gemma3_text, e.g. the "
+            f"270M / 1B checkpoints or a text-only export); supported: {supported}"
+        )
+    return (
+        f"model type {model_type!r} is not supported by ringft; supported: {supported}. Other models "
+        "whose attention goes through transformers' AttentionInterface may work: pass "
+        "allow_untested=True and compare against a one-process run"
+    )
+
+
+def check_model(config: Any, modules: list[nn.Module], allow_untested: bool = False) -> None:
+    """Refuse (``ValueError``, one line naming the feature and the fix) a model the ring cannot run
+    exactly: an unsupported ``model_type`` without ``allow_untested``, no attention modules, a
+    supported family whose attention modules were not all found, or :func:`unsupported_features`."""
+    model_type = getattr(config, "model_type", None)
+    fam = family_of(config)
+    if fam is None and not allow_untested:
+        raise ValueError(_unsupported_type_message(model_type))
+    if not modules:
+        raise ValueError(
+            f"found no attention modules (modules with layer_idx, scaling and is_causal) in this "
+            f"{model_type!r} model: ringft supports decoders whose attention goes through transformers' "
+            f"AttentionInterface ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    if fam is not None and layers is not None and len(modules) != layers:
+        raise ValueError(
+            f"found {len(modules)} attention modules in this {fam.label} model but config.num_hidden_layers "
+            f"is {layers}: the model does not have the structure of transformers' {fam.classes[0]}"
+        )
+    features = unsupported_features(config, modules)
+    if features:
+        raise ValueError(
+            f"ring attention cannot run this {model_type!r} model exactly: it uses "
+            + "; ".join(features)
+            + ". Use a model without these features (or set the config value to None where that is the "
+            "model you want)"
+        )
+
+
+def call_problem(kwargs: Mapping[str, Any]) -> str | None:
+    """What an attention call asks for that the ring cannot do (``softcap``, ``s_aux`` sinks), or
+    None. Checked on every call: a model of an untested family may pass them."""
+    if kwargs.get("softcap") is not None:
+        return (
+            f"the attention call asks for logit soft-capping (softcap={kwargs['softcap']}), which zigzag "
+            "ring attention does not compute: this model is not supported"
+        )
+    if kwargs.get("s_aux") is not None:
+        return (
+            "the attention call passes attention sinks (s_aux), which zigzag ring attention does not "
+            "compute: this model is not supported"
+        )
+    return None
+
+
+def global_rope(params: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters a theta raise or a RoPE scaling applies to: ``params`` itself, or for a
+    model with RoPE per layer type (Gemma 3: ``{"full_attention": ..., "sliding_attention": ...}``)
+    the global layers' entry. Local (sliding-window) layers keep theirs: they never see a distance
+    beyond the window, which is how Gemma 3 itself was extended to 128K (global layers only)."""
+    nested = params and all(isinstance(v, dict) for v in params.values())
+    if nested and "full_attention" in params:
+        return params["full_attention"]
+    return params
+
+
+def set_window(config: Any, window: int | None) -> None:
+    """Set the sliding window of a supported family's layers that have one (``None``: none, full
+    attention on every layer), or raise ``ValueError`` naming why that model cannot have it."""
+    fam = family_of(config)
+    name = fam.label if fam else repr(getattr(config, "model_type", None))
+    if fam is None or fam.windows == "none":
+        if window is None:
+            return
+        raise ValueError(f"{name} has no sliding-window attention: use model.sliding_window: keep")
+    if fam.windows == "every_layer":
+        config.sliding_window = window
+        return
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if fam.model_type == "gemma3_text":
+        if window is None:
+            raise ValueError(
+                "Gemma 3's local layers were trained with a sliding window (and their own RoPE base): "
+                "model.sliding_window must be keep or a window size, not null"
+            )
+        config.sliding_window = window
+        return
+    if window is None:  # Qwen2 / Qwen3: as use_sliding_window false
+        config.sliding_window = None
+        config.use_sliding_window = False
+        config.layer_types = ["full_attention"] * len(kinds)
+        return
+    if "sliding_attention" not in kinds:
+        raise ValueError(
+            f"no layer of this {name} config is a sliding-window layer (use_sliding_window: false, or "
+            "max_window_layers >= num_hidden_layers), so model.sliding_window would change nothing: "
+            "use keep, or a config with use_sliding_window: true"
+        )
+    config.sliding_window = window
