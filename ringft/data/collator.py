@@ -144,7 +144,7 @@ class RingDataCollator:
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's zigzag shard ``(batch, seq_len // cp_size)`` of every ``(batch, seq_len)``
         tensor of :meth:`global_batch`."""
-        return {k: zigzag_shard(v, self.cp_rank, self.cp_size).contiguous() for k, v in full.items()}
+        return shard_sequence_tensors(full, self.cp_rank, self.cp_size)
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The model inputs of this CP rank for ``examples`` (see the class docstring)."""
@@ -173,6 +173,36 @@ def _row_document_starts(example: dict[str, Any], length: int, row: int) -> list
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != length or any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"example {row}: cu_seqlens must rise strictly from 0 to {length}, got {cu[:8]}")
     return cu  # the last offset (the row's end) starts the padding, a target-less document
+
+
+def shard_sequence_tensors(
+    full: dict[str, torch.Tensor], cp_rank: int, cp_size: int
+) -> dict[str, torch.Tensor]:
+    """``cp_rank``'s zigzag shard ``(batch, seq // cp_size)`` (contiguous) of every ``(batch, seq)``
+    tensor of ``full`` (``seq`` a multiple of ``2 * cp_size``): the one sharding of every batch."""
+    return {k: zigzag_shard(v, cp_rank, cp_size).contiguous() for k, v in full.items()}
+
+
+def pad_sequence_tensors(
+    full: dict[str, torch.Tensor], multiple: int, pad_token_id: int, ignore_index: int = -100
+) -> dict[str, torch.Tensor]:
+    """Right-pad ``(batch, seq)`` tensors to the next multiple of ``multiple`` (at least one):
+    ``input_ids`` with ``pad_token_id``, ``shift_labels`` / ``labels`` with ``ignore_index`` (pads
+    have no target), ``position_ids`` continuing each row (the pads extend its last document,
+    after every real token, so no real token attends to them)."""
+    seq = next(iter(full.values())).shape[1]
+    extra = max(multiple, math.ceil(seq / multiple) * multiple) - seq
+    if extra == 0:
+        return dict(full)
+    out = {}
+    for key, value in full.items():
+        if key == "position_ids":
+            tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype, device=value.device)
+            out[key] = torch.cat([value, tail], dim=1)
+        else:
+            fill = pad_token_id if key == "input_ids" else ignore_index
+            out[key] = torch.nn.functional.pad(value, (0, extra), value=fill)
+    return out
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
