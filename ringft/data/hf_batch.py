@@ -13,9 +13,10 @@ of the ring computes on, exactly as :class:`ringft.RingDataCollator` does for ra
   continuing the row);
 - ``input_ids``, ``position_ids`` and the shifted labels are zigzag-sharded with the same index.
 
-Documents stay apart: a packed row's ``position_ids`` restart at 0 for every document, which is how
-the ring finds the document boundaries (and how transformers masks packed rows in one process).
-The varlen keys say the same thing again; they are checked against the positions and dropped.
+Documents stay apart: a packed row's ``position_ids`` restart at 0 for every document (which is
+also how transformers masks packed rows in one process); the shard carries each row's global
+document offsets as ``cu_seqlens`` (the ring's batch key: no collective to find them). The varlen
+keys say the same thing for one flattened row; they are checked against the positions and dropped.
 
 Refused (:class:`BatchRefused`, one line naming the fix): an attention mask that does anything but
 mark right padding (the ring is causal per document and has no mask), a target on a masked
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from ringft.data.collator import pad_sequence_tensors, shard_sequence_tensors
+from ringft.ops.documents import cu_seqlens_from_position_ids
 
 __all__ = ["RING_COUNTS", "RING_LABELS", "RING_LENGTH", "BatchRefused", "VARLEN_KEYS", "shard_collated_batch"]
 
@@ -124,7 +126,8 @@ def shard_collated_batch(
 
     Returns ``input_ids``, ``position_ids`` (global positions) and, when the batch had targets,
     ``shift_labels`` (also as ``labels``), each ``(batch, seq_pad // cp_size)`` with ``seq_pad``
-    the next multiple of ``2 * cp_size``; :data:`RING_LENGTH` (``seq``), :data:`RING_COUNTS`, and
+    the next multiple of ``2 * cp_size``; ``cu_seqlens`` (per row, global offsets ``[0, ...,
+    seq_pad]``); :data:`RING_LENGTH` (``seq``), :data:`RING_COUNTS`, and
     with ``keep_labels`` the unsharded labels as :data:`RING_LABELS`. ``count_pad_token_id``: the
     tokenizer's pad id for the non-padding token count of batches without a mask. Raises
     :class:`BatchRefused`.
@@ -163,7 +166,8 @@ def shard_collated_batch(
     full = {"input_ids": ids.long(), "position_ids": positions}
     if shifted is not None:
         full["shift_labels"] = shifted
-    padded = pad_sequence_tensors(full, 2 * cp_size, pad_token_id, ignore_index)
+    padded = pad_sequence_tensors(full, cp_size, pad_token_id, ignore_index)
+    padded["cu_seqlens"] = cu_seqlens_from_position_ids(padded["position_ids"])
     out: dict[str, Any] = shard_sequence_tensors(padded, cp_rank, cp_size)
     if shifted is not None:
         out["labels"] = out["shift_labels"]

@@ -17,10 +17,10 @@ __all__ = ["CausalLMLoss", "causal_lm_loss"]
 class CausalLMLoss(nn.Module):
     """Wraps a causal LM (a transformers ``*ForCausalLM``, peft-wrapped or not).
 
-    ``forward(input_ids, position_ids, shift_labels, num_items_in_batch)`` takes the collator's
-    ``(batch, seq_local)`` tensors and the step's denominator (see
-    :func:`ringft.loss.loss_normalization`) and returns the fp32 scalar ``sum of this rank's token
-    losses / num_items_in_batch``.
+    ``forward(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens=None)`` takes
+    the collator's ``(batch, seq_local)`` tensors (and its per-row global document offsets) and the
+    step's denominator (see :func:`ringft.loss.loss_normalization`) and returns the fp32 scalar
+    ``sum of this rank's token losses / num_items_in_batch``.
 
     Args:
         model: the causal LM.
@@ -48,6 +48,7 @@ class CausalLMLoss(nn.Module):
         position_ids: Tensor,
         shift_labels: Tensor,
         num_items_in_batch: Tensor | int,
+        cu_seqlens: list[list[int]] | None = None,
         **_: Any,
     ) -> Tensor:
         """This rank's loss share for ``(batch, seq_local)`` inputs (fp32 scalar)."""
@@ -57,6 +58,7 @@ class CausalLMLoss(nn.Module):
             position_ids,
             shift_labels,
             num_items_in_batch,
+            cu_seqlens=cu_seqlens,
             chunked=self.chunked,
             chunk_size=self.chunk_size,
             offload_activations=self.offload_activations,
@@ -70,6 +72,7 @@ def causal_lm_loss(
     shift_labels: Tensor,
     num_items_in_batch: Tensor | int,
     *,
+    cu_seqlens: list[list[int]] | None = None,
     chunked: bool,
     chunk_size: int,
     offload_activations: bool,
@@ -77,6 +80,7 @@ def causal_lm_loss(
     """``sum of the token losses of (batch, seq_local) inputs / num_items_in_batch`` (fp32 scalar)
     of a causal LM (peft-wrapped or not): the one loss path of :class:`CausalLMLoss` and of
     ``ringft.RingTrainerMixin`` (see :class:`CausalLMLoss` for the arguments)."""
+    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
     # (wrapping the loss too would copy the lm_head weight to CPU every step).
     offload = (
@@ -87,7 +91,7 @@ def causal_lm_loss(
     if chunked:
         with offload:
             hidden = decoder(model)(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **documents
             ).last_hidden_state
         return lm_loss_from_hidden(model, hidden, shift_labels, num_items_in_batch, chunk_size=chunk_size)
     with offload:
@@ -98,5 +102,6 @@ def causal_lm_loss(
             shift_labels=shift_labels,
             num_items_in_batch=num_items_in_batch,
             use_cache=False,
+            **documents,
         )
     return out.loss

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ringft.loss import causal_lm_loss
+from ringft.model.inputs import OFFSETS
 from ringft.model.unwrap import pretrained_model
 from ringft.ops.parallel import ParallelLayout
 from ringft.ops.sharding import zigzag_gather
@@ -40,6 +41,11 @@ __all__ = [
 
 RING_LOSS = "ringft_loss"
 IGNORE_INDEX = -100
+
+
+def _offsets(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch's per-row global document offsets, as the ring's decoder keyword (if any)."""
+    return {} if batch.get(OFFSETS) is None else {OFFSETS: batch[OFFSETS]}
 
 
 @dataclass
@@ -71,6 +77,7 @@ def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_a
             kwargs["position_ids"],
             kwargs["shift_labels"],
             kwargs["num_items_in_batch"],
+            cu_seqlens=kwargs.get(OFFSETS),
             chunked=True,
             chunk_size=s.chunk_size,
             offload_activations=s.offload_activations,
@@ -102,6 +109,7 @@ def ring_loss(model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Te
         position_ids=batch["position_ids"],
         shift_labels=batch["shift_labels"],
         num_items_in_batch=num_items,
+        **_offsets(batch),
         **{RING_LOSS: True},
     )
     return out["loss"] if isinstance(out, dict) else out.loss
@@ -130,7 +138,12 @@ def predict_logits(
     un-zigzagged (the ring's padding cut off), and the CP group's summed token loss (None without
     labels), computed from the local logits as transformers' loss computes it (fp32 upcast)."""
     with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        out = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            **_offsets(batch),
+        )
         local = out["logits"] if isinstance(out, dict) else out.logits
         loss_sum = None
         if batch.get("shift_labels") is not None:
