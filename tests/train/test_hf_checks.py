@@ -51,7 +51,7 @@ def _trainer(**args) -> SimpleNamespace:
     base = dict(fsdp="", n_gpu=1, label_smoothing_factor=0.0, include_for_metrics=[], accelerator_config=None)
     return SimpleNamespace(
         args=SimpleNamespace(**{**base, **args}),
-        accelerator=SimpleNamespace(parallelism_config=None),
+        accelerator=SimpleNamespace(parallelism_config=None, num_processes=1),
         compute_loss_func=None,
         is_fsdp_enabled=False,
     )

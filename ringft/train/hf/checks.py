@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = ["check_no_accelerate_cp", "check_trainer_options"]
 
 WHERE = "ringft.RingTrainerMixin"
@@ -72,6 +74,12 @@ def check_trainer_options(trainer: Any) -> None:
         problems.append(
             "FSDP was asked for but accelerate did not enable it (accelerate runs FSDP only on accelerators; "
             "on CPU it would train unsharded): use DDP or DeepSpeed ZeRO-3 on CPU"
+        )
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if trainer.accelerator.num_processes != launched:
+        problems.append(
+            f"accelerate runs {trainer.accelerator.num_processes} process(es) but {launched} were launched "
+            "(accelerate then trains each process alone): on CPU pass use_cpu=True in the TrainingArguments"
         )
     if problems:
         raise ValueError(f"{WHERE}: " + "; ".join(problems))

@@ -89,7 +89,9 @@ def shard_loader_over_dp(loader: Any, layout: ParallelLayout, collate: RingColla
     if layout.world_size > 1:
         if not shards:
             raise ValueError(
-                f"the {what} dataloader was not sharded by accelerate (no BatchSamplerShard): the ring "
+                f"the {what} dataloader was not sharded by accelerate (its batch sampler is a "
+                f"{type(getattr(loader, 'batch_sampler', None)).__name__}, not a BatchSamplerShard; "
+                f"{type(loader).__name__}, world {layout.world_size}): the ring "
                 "trainer cannot place its batches on the DP replicas; use the Trainer's own dataloaders"
             )
         for shard in shards:
