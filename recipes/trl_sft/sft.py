@@ -8,8 +8,9 @@ the tests compare the ring against (tests/recipes/test_trl_sft_recipe.py).
 Data: ``--dataset`` is a hub dataset name, a local .json / .jsonl file, or ``synthetic-chat`` (short
 made-up conversations built here: no download); records carry ``messages`` (TRL's conversational
 format: the model's chat template is applied, then the tokens are packed into rows of
-``--max-length``). Writes ``<output-dir>/log_history.json`` (the Trainer's logs, main process) and
-the trained model (or LoRA adapter) to ``<output-dir>/final``.
+``--max-length``). Writes ``<output-dir>/log_history.json`` (the Trainer's logs, main process),
+``run_info.json`` (world, dp, cp, engine) and the trained model (or LoRA adapter) to
+``<output-dir>/final``.
 """
 
 from __future__ import annotations
@@ -143,6 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_world_process_zero():
         out = Path(args.output_dir)
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        layout = getattr(trainer, "ring_layout", None)
+        info = {
+            "world": trainer.accelerator.num_processes,
+            "dp": layout.dp_size if layout else trainer.accelerator.num_processes,
+            "cp": layout.cp_size if layout else 1,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+        }
+        (out / "run_info.json").write_text(json.dumps(info))
     trainer.save_model(str(Path(args.output_dir) / "final"))
 
 
