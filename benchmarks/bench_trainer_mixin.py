@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loss-chunk", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=2, help="runs of each path, alternating")
     a = p.parse_args(argv)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # inherited by the spawned ranks
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))  # inherited by the spawned ranks
     results: dict[str, list[dict]] = {path: [] for path in PATHS}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
