@@ -10,9 +10,9 @@
 #   CP_SIZE=4 MAX_LENGTH=32768 recipes/trl_sft/run.sh      # two rings of 4 (dp 2)
 #   DRY_RUN=1 recipes/trl_sft/run.sh                        # print the command
 # Extra arguments go to recipes/trl_sft/sft.py (--max-steps, --lr, --save-steps, ...).
-# Memory per GPU (ringft plan): the model's share of FSDP2 shards plus 8K tokens of activations
-# per rank with checkpointing and the chunked loss; check with
-#   ringft plan --model meta-llama/Llama-3.1-8B-Instruct --seq-len 65536 --cp 8 ...
+# Memory per GPU (FSDP2 FULL_SHARD is ZeRO-3 for the planner): 29.1 GiB of 80, and rows of up to
+# 950,272 tokens would fit this layout:
+#   ringft plan --model llama-3-8b --seq-len 65536 --gpus 8 --gpu-mem 80 --cp 8 --zero 3
 # CPU variant (2 processes, SmolLM2-135M, a minute): recipes/trl_sft/run_cpu.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
