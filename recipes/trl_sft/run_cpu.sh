@@ -6,7 +6,8 @@
 #   recipes/trl_sft/run_cpu.sh                    # the ring (2 processes)
 #   ONE_PROCESS=1 recipes/trl_sft/run_cpu.sh      # the same run as plain TRL in one process (the oracle)
 #   MODEL=path/to/model OUTPUT_DIR=out recipes/trl_sft/run_cpu.sh --max-steps 4
-# tests/recipes/test_trl_sft_recipe.py runs both and compares their losses step by step.
+#   DRY_RUN=1 recipes/trl_sft/run_cpu.sh          # print the command
+# tests/train/test_hf_launch.py runs both and compares their losses step by step.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PYTHON=${PYTHON:-python}
@@ -22,7 +23,13 @@ ARGS=(
 )
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [[ -n "${ONE_PROCESS:-}" ]]; then
-    exec "$PYTHON" recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 1 "$@"
+    CMD=("$PYTHON" recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 1 "$@")
+else
+    CMD=("${ACCELERATE:-accelerate}" launch --config_file recipes/accelerate/cpu_2proc.yaml ${LAUNCH_ARGS:-}
+        recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 2 "$@")
 fi
-exec "${ACCELERATE:-accelerate}" launch --config_file recipes/accelerate/cpu_2proc.yaml ${LAUNCH_ARGS:-} \
-    recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 2 "$@"
+if [[ -n "${DRY_RUN:-}" ]]; then
+    echo "${CMD[@]}"
+else
+    exec "${CMD[@]}"
+fi

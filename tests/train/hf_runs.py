@@ -16,6 +16,7 @@ between trainers.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 
 def spec(out: str, **kw: Any) -> dict[str, Any]:
-    """A run: ``kind`` trainer | sft, ``mixin`` (RingTrainerMixin on/off), ``cp``, ``steps``
+    """A run: ``kind`` trainer | sft | fsdp (tests/train/hf_fsdp.py) | script (recipes/trl_sft/sft.py
+    with ``argv``, in this process), ``mixin`` (RingTrainerMixin on/off), ``cp``, ``steps``
     (max_steps; 0: one epoch), ``mb``, ``ga``, ``gc`` (activation checkpointing), ``lora``, ``avg``
     (average_tokens_across_devices), ``save`` (save_steps), ``resume`` (a checkpoint folder),
     ``evaluate``, ``predict``, ``collate`` (right | left padding), ``rows`` (training examples)."""
@@ -50,6 +52,7 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
         predict=False,
         collate="right",
         rows=48,
+        argv=None,
         out=out,
     )
     unknown = set(kw) - set(base)
@@ -170,8 +173,29 @@ def _weights(model) -> dict[str, Any]:
     }
 
 
+def _script(argv: list[str]) -> dict[str, Any]:
+    """recipes/trl_sft/sft.py ``main(argv)`` in this process; its logged losses and grad norms."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "trl_sft" / "sft.py"
+    spec_ = importlib.util.spec_from_file_location("trl_sft_recipe", path)
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    module.main(argv)
+    out = Path(argv[argv.index("--output-dir") + 1])
+    logs = [h for h in json.loads((out / "log_history.json").read_text()) if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs]}
+
+
 def run(s: dict[str, Any]) -> dict[str, Any]:
     """Build, train (``steps``), evaluate / predict as ``s`` says; see the module docstring."""
+    if s["kind"] == "script":
+        return _script(s["argv"])
+    if s["kind"] == "fsdp":
+        from tests.train.hf_fsdp import fsdp_steps
+
+        return fsdp_steps()
     tok = tokenizer()
     model = tiny_model(tok, s["lora"])
     trainer = _trainer(s, tok, model)
@@ -203,6 +227,24 @@ def run(s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def zero3_argv(model_dir: str, out: str) -> list[str]:
+    """recipes/trl_sft/sft.py arguments of the ZeRO-3 test (tests/train/test_hf_launch.py): full
+    fine-tuning of the tiny model on made-up chats, 2 packed rows of 128 tokens per step."""
+    return [
+        *("--model", model_dir, "--dataset", "synthetic-chat:96", "--max-length", "128"),
+        *("--micro-batch", "2", "--max-steps", "4", "--lr", "1e-3", "--output-dir", out),
+    ]
+
+
+def tiny_model_dir(path: Path) -> Path:
+    """The tiny model (seeded) with the demo tokenizer and a plain chat template, saved."""
+    tok = tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tiny_model(tok, lora=False).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
 def _reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -211,11 +253,15 @@ def _reset_accelerate() -> None:
 
 
 def guarded(s: dict[str, Any]) -> dict[str, Any]:
-    """:func:`run`, returning ``{"error": first line}`` instead of raising a ``ValueError``."""
+    """:func:`run`, returning ``{"error": first line}`` instead of raising a ``ValueError``; with the
+    run's wall time (``seconds``)."""
+    start = time.perf_counter()
     try:
-        return run(s)
+        out = run(s)
     except ValueError as exc:
-        return {"error": str(exc).splitlines()[0]}
+        out = {"error": str(exc).splitlines()[0]}
+    out["seconds"] = time.perf_counter() - start
+    return out
 
 
 def phased_worker(

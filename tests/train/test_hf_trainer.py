@@ -1,7 +1,8 @@
 """``RingTrainerMixin`` in ``transformers.Trainer`` and TRL's ``SFTTrainer`` against the same
 trainers without ringft, on gloo CPU processes (tiny fp32 LLaMA, tests/train/hf_runs.py).
 
-Two spawns hold every run (process start and the transformers / TRL imports cost seconds):
+Two spawns hold every run (tests/train/conftest.py; process start and the transformers / TRL
+imports cost seconds):
 
 - 2 processes: first each one runs one-process references on its own (no process group), then
   together: plain ``Trainer`` with dp=2 (DDP: the references of the 4-process runs) and the ring
@@ -28,8 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
-from tests.train.hf_runs import examples, spec
+from tests.train.hf_runs import examples
 from tests.train.test_trainer import assert_updates_close
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -38,7 +38,6 @@ TOKENS_PER_STEP = 4 * 64  # at most: 4 rows (dp2 x micro batch 2) of at most 64 
 STEPS = 4
 LOSS_RTOL = (TOKENS_PER_STEP + VOCAB) * EPS32
 UPDATE_RTOL = STEPS * LOSS_RTOL
-SPAWN_TIMEOUT = 420.0
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -56,126 +55,61 @@ def assert_same_training(got: dict, ref: dict, rtol: float = LOSS_RTOL) -> None:
     assert_updates_close(_torch(got["final"]), _torch(ref["final"]), _torch(ref["initial"]), STEPS * rtol)
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory) -> dict[str, dict]:
-    """Every run of the 2-process spawn, by name (rank 0's results; rank 1's under ``name@1``)."""
-    root = tmp_path_factory.mktemp("hf2")
-    alone = {
-        0: {
-            "one": spec(f"{root}/one", evaluate=True, predict=True),
-            "one-ga": spec(f"{root}/one-ga", mb=1, ga=2, gc=True),
-            "one-epoch": spec(f"{root}/one-epoch", steps=0, rows=21),
-        },
-        1: {
-            "one-sft": spec(f"{root}/one-sft", kind="sft", evaluate=True),
-            "one-lora": spec(f"{root}/one-lora", lora=True),
-            "inert": spec(f"{root}/inert", mixin=True, cp=1),
-        },
-    }
-    ring = dict(mixin=True, cp=2)
-    together = {
-        "ddp": spec(f"{root}/ddp", evaluate=True, predict=True),
-        "ddp-off": spec(f"{root}/ddp-off", avg=False),
-        "ddp-epoch": spec(f"{root}/ddp-epoch", steps=0, rows=21),
-        "cp": spec(f"{root}/cp", **ring, evaluate=True, predict=True, save=2),
-        "cp-resumed": spec(f"{root}/cp", **ring, resume=f"{root}/cp/checkpoint-2"),
-        "cp-ga": spec(f"{root}/cp-ga", **ring, mb=1, ga=2, gc=True),
-        "cp-epoch": spec(f"{root}/cp-epoch", **ring, steps=0, rows=21),
-        "cp-sft": spec(f"{root}/cp-sft", kind="sft", **ring, evaluate=True),
-        "cp-lora": spec(f"{root}/cp-lora", **ring, lora=True),
-        "cp-left-padded": spec(f"{root}/cp-left", **ring, collate="left"),
-    }
-    from tests.train.hf_runs import phased_worker
-
-    lists = [list(alone[0].values()), list(alone[1].values())]
-    results = run_distributed(
-        phased_worker, 2, lists, list(together.values()), str(root / "store"), timeout=SPAWN_TIMEOUT
-    )
-    out = {}
-    for rank in (0, 1):
-        out.update(zip(alone[rank], results[rank]["alone"]))
-        for name, res in zip(together, results[rank]["together"]):
-            out[name if rank == 0 else f"{name}@1"] = res
-    return out
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory) -> dict[str, dict]:
-    """The dp=2 x cp=2 runs (rank 0's results; ``name@r`` for rank r)."""
-    from tests.train.hf_runs import phased_worker
-
-    root = tmp_path_factory.mktemp("hf4")
-    ring = dict(mixin=True, cp=2)
-    runs = {
-        "dp-cp": spec(f"{root}/dp-cp", **ring, evaluate=True, predict=True),
-        "dp-cp-off": spec(f"{root}/dp-cp-off", **ring, avg=False),
-        "dp-cp-epoch": spec(f"{root}/dp-cp-epoch", **ring, steps=0, rows=21),
-    }
-    results = run_distributed(
-        phased_worker, 4, [], list(runs.values()), str(root / "s"), timeout=SPAWN_TIMEOUT
-    )
-    out = {}
-    for rank, res in enumerate(results):
-        for name, r in zip(runs, res["together"]):
-            out[name if rank == 0 else f"{name}@{rank}"] = r
-    return out
-
-
 # -- dp=1 x cp=2 against one process -------------------------------------------------------------
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_cp2_trainer_matches_one_process(two):
+def test_cp2_trainer_matches_one_process(hf_two):
     """Trainer(cp_size=2) on 2 ranks == Trainer on 1 process: loss, grad norm, update. Also the
     regression test of transformers #46775 (loss over-scaled by the SP size): a loss scaled by cp
     would be 2x here."""
-    assert_same_training(two["cp"], two["one"])
-    assert two["cp@1"]["losses"] == two["cp"]["losses"]  # every rank logs the step's loss
+    assert_same_training(hf_two["cp"], hf_two["one"])
+    assert hf_two["cp@1"]["losses"] == hf_two["cp"]["losses"]  # every rank logs the step's loss
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_cp_size_1_is_the_base_trainer(two):
+def test_cp_size_1_is_the_base_trainer(hf_two):
     """cp_size=1 without memory options: the base class, bit for bit."""
-    assert two["inert"]["losses"] == two["one"]["losses"]
-    for name, value in two["one"]["final"].items():
-        assert np.array_equal(two["inert"]["final"][name], value), name
+    assert hf_two["inert"]["losses"] == hf_two["one"]["losses"]
+    for name, value in hf_two["one"]["final"].items():
+        assert np.array_equal(hf_two["inert"]["final"][name], value), name
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_grad_accum_and_activation_checkpointing(two):
+def test_grad_accum_and_activation_checkpointing(hf_two):
     """micro batch 1 x gradient accumulation 2 with activation checkpointing: the step's
     denominator counts both micro-steps on both ranks."""
-    assert_same_training(two["cp-ga"], two["one-ga"])
+    assert_same_training(hf_two["cp-ga"], hf_two["one-ga"])
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_lora(two):
+def test_lora(hf_two):
     """peft LoRA (q/v): the adapter trains as in one process; the frozen base does not move."""
-    assert_same_training(two["cp-lora"], two["one-lora"])
-    assert all("lora_" in k for k in two["cp-lora"]["final"])
+    assert_same_training(hf_two["cp-lora"], hf_two["one-lora"])
+    assert all("lora_" in k for k in hf_two["cp-lora"]["final"])
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_sft_packing_matches_one_process(two):
+def test_sft_packing_matches_one_process(hf_two):
     """SFTTrainer(packing=True) (bfd, padding-free: restarting position_ids, varlen keys) with cp=2
     == one process on the same packed batches, documents masked apart. Regression test of axolotl
     #3608 (packing inflated the loss 1.83x) and of TRL #6843 (packing refused with CP)."""
-    assert_same_training(two["cp-sft"], two["one-sft"])
-    assert two["cp-sft"]["num_tokens"] == two["one-sft"]["num_tokens"]  # TRL's token counter
-    assert two["cp-sft"]["eval_loss"] == pytest.approx(two["one-sft"]["eval_loss"], rel=LOSS_RTOL)
+    assert_same_training(hf_two["cp-sft"], hf_two["one-sft"])
+    assert hf_two["cp-sft"]["num_tokens"] == hf_two["one-sft"]["num_tokens"]  # TRL's token counter
+    assert hf_two["cp-sft"]["eval_loss"] == pytest.approx(hf_two["one-sft"]["eval_loss"], rel=LOSS_RTOL)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_resume_continues_the_loss_curve(two):
+def test_resume_continues_the_loss_curve(hf_two):
     """resume_from_checkpoint at step 2 of a cp=2 run: steps 3-4 and the final weights equal the
     uninterrupted run's exactly (the log history of steps 1-2 comes from the checkpoint)."""
-    whole, resumed = two["cp"], two["cp-resumed"]
+    whole, resumed = hf_two["cp"], hf_two["cp-resumed"]
     assert resumed["global_step"] == STEPS
     assert resumed["losses"] == whole["losses"]
     for name, value in whole["final"].items():
@@ -205,32 +139,35 @@ def assert_same_predictions(got: dict, ref: dict) -> None:
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_evaluate_and_predict_match_one_process(two):
+def test_evaluate_and_predict_match_one_process(hf_two):
     """evaluate(): the eval loss of one process (regression test of transformers #48167: eval loss cp
     times too large); predict(): logits gathered within CP and un-zigzagged, labels, loss."""
-    cp, one = two["cp"], two["one"]
+    cp, one = hf_two["cp"], hf_two["one"]
     assert cp["eval_loss"] == pytest.approx(one["eval_loss"], rel=LOSS_RTOL)
-    assert two["cp@1"]["eval_loss"] == cp["eval_loss"]
+    assert hf_two["cp@1"]["eval_loss"] == cp["eval_loss"]
     assert_same_predictions(cp, one)
 
 
 @pytest.mark.timeout(600)
-def test_step_counts_follow_dp_not_world(two, four):
+def test_step_counts_follow_dp_not_world(hf_two, hf_four):
     """One epoch of 21 examples (micro batch 2): the steps, epochs, total batch size and tokens seen
     of cp=2 equal one process's and dp2 x cp2's equal dp2's. Regression test of axolotl #3444 (batch
     size and step counts multiplied by the CP size)."""
-    for got, ref in ((two["cp-epoch"], two["one-epoch"]), (four["dp-cp-epoch"], two["ddp-epoch"])):
+    for got, ref in (
+        (hf_two["cp-epoch"], hf_two["one-epoch"]),
+        (hf_four["dp-cp-epoch"], hf_two["ddp-epoch"]),
+    ):
         for key in ("max_steps", "global_step", "epochs", "total_batch", "tokens_seen"):
             assert got[key] == ref[key], key
         assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
-    assert two["one-epoch"]["max_steps"] == 11 and two["ddp-epoch"]["max_steps"] == 6
+    assert hf_two["one-epoch"]["max_steps"] == 11 and hf_two["ddp-epoch"]["max_steps"] == 6
 
 
 @pytest.mark.timeout(600)
-def test_left_padding_is_refused_on_every_rank(two):
+def test_left_padding_is_refused_on_every_rank(hf_two):
     """A left-padding attention mask: one clear error on both ranks (no hang), naming the fix."""
     for name in ("cp-left-padded", "cp-left-padded@1"):
-        message = two[name]["error"]
+        message = hf_two[name]["error"]
         assert "right padding" in message and "padding_side = 'right'" in message, message
 
 
@@ -239,14 +176,14 @@ def test_left_padding_is_refused_on_every_rank(two):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
-def test_dp2_cp2_matches_dp2(two, four):
+def test_dp2_cp2_matches_dp2(hf_two, hf_four):
     """4 ranks (dp2 x cp2) == DDP on 2 ranks: with average_tokens_across_devices on (the step's
     count over every rank) and off (each replica's own count, averaged over replicas); eval loss and
     predictions gathered across DP only."""
-    assert_same_training(four["dp-cp"], two["ddp"])
-    assert_same_training(four["dp-cp-off"], two["ddp-off"])
-    assert four["dp-cp-off"]["losses"] != pytest.approx(four["dp-cp"]["losses"], rel=LOSS_RTOL)
-    assert four["dp-cp"]["eval_loss"] == pytest.approx(two["ddp"]["eval_loss"], rel=LOSS_RTOL)
-    assert_same_predictions(four["dp-cp"], two["ddp"])
+    assert_same_training(hf_four["dp-cp"], hf_two["ddp"])
+    assert_same_training(hf_four["dp-cp-off"], hf_two["ddp-off"])
+    assert hf_four["dp-cp-off"]["losses"] != pytest.approx(hf_four["dp-cp"]["losses"], rel=LOSS_RTOL)
+    assert hf_four["dp-cp"]["eval_loss"] == pytest.approx(hf_two["ddp"]["eval_loss"], rel=LOSS_RTOL)
+    assert_same_predictions(hf_four["dp-cp"], hf_two["ddp"])
     for rank in (1, 2, 3):
-        assert four[f"dp-cp@{rank}"]["losses"] == four["dp-cp"]["losses"]
+        assert hf_four[f"dp-cp@{rank}"]["losses"] == hf_four["dp-cp"]["losses"]
