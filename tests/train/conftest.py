@@ -41,6 +41,18 @@ def run_cpu_oracle_argv(model: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def deepspeed_ops() -> None:
+    """DeepSpeed's CPU all-reduce op built (tests/train/launch_env.py) before a DeepSpeed launch."""
+    pytest.importorskip("deepspeed")
+    from tests.train.launch_env import BUILD_TIMEOUT, EXTENSIONS_DIR, build_deepspeed_ops
+
+    try:
+        build_deepspeed_ops()
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"DeepSpeed CPU op build took over {BUILD_TIMEOUT} s (held lock in {EXTENSIONS_DIR}?)")
+
+
+@pytest.fixture(scope="session")
 def hf_root(tmp_path_factory) -> Path:
     """Scratch folder of the mixin runs, with the tiny model saved (``tiny``)."""
     root = tmp_path_factory.mktemp("hf")

@@ -26,6 +26,13 @@ import torch.distributed as dist
 
 SEED = 0
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 32, 2, 4, 2, 64
+EPS32 = torch.finfo(torch.float32).eps
+VOCAB = 1658  # the demo tokenizer
+TOKENS_PER_STEP = 4 * 64  # at most: 4 rows (dp2 x micro batch 2) of at most 64 tokens
+STEPS = 4
+# The tolerances of tests/train/test_hf_trainer.py (derived in its docstring).
+LOSS_RTOL = (TOKENS_PER_STEP + VOCAB) * EPS32
+UPDATE_RTOL = STEPS * LOSS_RTOL
 TIMEOUT = 240.0
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 
@@ -225,6 +232,22 @@ def run(s: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         out.update(initial=initial, final=_weights(trainer.model))
     return out
+
+
+def assert_updates_close(final: dict, reference: dict, initial: dict, rtol: float) -> None:
+    """Per tensor, ``||(final - initial) - (reference - initial)|| <= rtol ||reference - initial||``
+    (numpy or torch values); the reference must have moved (a tensor it did not move must not move)."""
+    moved_any = False
+    for name, ref in reference.items():
+        ref = torch.as_tensor(ref).double()
+        start = torch.as_tensor(initial[name]).double()
+        got = torch.as_tensor(final[name]).double()
+        moved, diff = (ref - start).norm().item(), (got - ref).norm().item()
+        moved_any |= moved > 0
+        assert diff <= rtol * moved, (
+            f"update of {name} differs by {diff / moved if moved else diff:.3e} (rtol {rtol:.1e})"
+        )
+    assert sorted(final) == sorted(reference) and moved_any, "the reference run did not change any weight"
 
 
 def zero3_argv(model_dir: str, out: str) -> list[str]:

@@ -9,7 +9,7 @@ run in the 2-process spawn of tests/train/conftest.py, one process start for all
   ``mixed_precision: "no"`` and 2 processes, cp 2), full fine-tuning of the tiny LLaMA (the chunked
   loss reads the partitioned ``lm_head`` through its hooks) vs one process: losses, DeepSpeed's
   global grad norm, the exported weights' update. DeepSpeed builds its CPU ops first
-  (tests/train/test_deepspeed.py's fixture: stale build locks cleared, a bounded build).
+  (tests/train/launch_env.py: stale build locks cleared, a bounded build).
 
 Tolerances. Tiny model: tests/train/test_hf_trainer.py's (eps32 x the reduction lengths x steps).
 SmolLM2: a step's loss is a mean of token cross-entropies, each moved by at most twice the largest
@@ -31,10 +31,8 @@ import torch
 import yaml
 
 from ringft.ops.spawn import free_port
-from tests.train.hf_runs import zero3_argv
-from tests.train.test_deepspeed import _env, deepspeed_ops_built  # noqa: F401  (module fixture)
-from tests.train.test_hf_trainer import LOSS_RTOL, UPDATE_RTOL
-from tests.train.test_trainer import assert_updates_close
+from tests.train.hf_runs import LOSS_RTOL, UPDATE_RTOL, assert_updates_close, zero3_argv
+from tests.train.launch_env import launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "trl_sft"
@@ -64,7 +62,7 @@ def test_recipe_cpu_variant_matches_one_process(tmp_path, hf_two):
     from tests.real_model import smollm2_path
 
     ring = tmp_path / "ring"
-    env = dict(_env(), MODEL=str(smollm2_path()), PYTHON=sys.executable, ACCELERATE=_accelerate())
+    env = launch_env(MODEL=str(smollm2_path()), PYTHON=sys.executable, ACCELERATE=_accelerate())
     env.update(OUTPUT_DIR=str(ring), LAUNCH_ARGS=f"--main_process_port {free_port()}")
     _run(["bash", str(RECIPE / "run_cpu.sh")], env)
     info = json.loads((ring / "run_info.json").read_text())
@@ -77,7 +75,7 @@ def test_recipe_cpu_variant_matches_one_process(tmp_path, hf_two):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * TIMEOUT)
-def test_zero3_matches_one_process(tmp_path, hf_two, hf_root):
+def test_zero3_matches_one_process(tmp_path, hf_two, hf_root, deepspeed_ops):
     """ZeRO-3 (2 ranks, cp 2, full fine-tuning) == one process: losses, grad norms, weights."""
     from safetensors.torch import load_file
 
@@ -89,7 +87,7 @@ def test_zero3_matches_one_process(tmp_path, hf_two, hf_root):
     launch = [_accelerate(), "launch", "--config_file", str(tmp_path / "zero3.yaml"), str(RECIPE / "sft.py")]
     _run(
         [*launch, *zero3_argv(str(hf_root / "tiny"), str(out)), "--cp-size", "2"],
-        dict(_env(), OMP_NUM_THREADS="1"),
+        launch_env(),
     )
     info = json.loads((out / "run_info.json").read_text())
     assert info["distributed_type"] == "DistributedType.DEEPSPEED" and info["cp"] == 2

@@ -27,23 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from tests.train.hf_runs import examples
-from tests.train.test_trainer import assert_updates_close
-
-EPS32 = torch.finfo(torch.float32).eps
-VOCAB = 1658  # the demo tokenizer
-TOKENS_PER_STEP = 4 * 64  # at most: 4 rows (dp2 x micro batch 2) of at most 64 tokens
-STEPS = 4
-LOSS_RTOL = (TOKENS_PER_STEP + VOCAB) * EPS32
-UPDATE_RTOL = STEPS * LOSS_RTOL
+from tests.train.hf_runs import EPS32, LOSS_RTOL, STEPS, assert_updates_close, examples
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def _torch(weights: dict) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v) for k, v in weights.items()}
 
 
 def assert_same_training(got: dict, ref: dict, rtol: float = LOSS_RTOL) -> None:
@@ -52,7 +39,7 @@ def assert_same_training(got: dict, ref: dict, rtol: float = LOSS_RTOL) -> None:
     assert len(got["losses"]) == len(ref["losses"]) > 0
     assert got["losses"] == pytest.approx(ref["losses"], rel=rtol)
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=STEPS * rtol)
-    assert_updates_close(_torch(got["final"]), _torch(ref["final"]), _torch(ref["initial"]), STEPS * rtol)
+    assert_updates_close(got["final"], ref["final"], ref["initial"], STEPS * rtol)
 
 
 # -- dp=1 x cp=2 against one process -------------------------------------------------------------
