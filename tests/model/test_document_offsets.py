@@ -2,7 +2,8 @@
 ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``) and the collator's ``cu_seqlens`` reach the ring
 without an all_gather of the position ids; bad offsets raise on every rank.
 
-Oracle: the unmodified transformers model, eager, in one process, on the flattened row with no
+CP 2 and CP 3 run in one spawn of 3 processes (CP 2 on a subgroup). Oracle: the unmodified
+transformers model, eager, in one process, on the flattened row with no
 attention mask and no cache: transformers then masks the packed documents itself (it finds them in
 the restarting position ids). Tolerances: those of ``test_documents_hf`` (same model, a 46-token row
 padded to its 48-token sequence: eps32 times the longest chain of fp32 sums behind a logit).
@@ -66,15 +67,15 @@ def _gathers_in(fn) -> int:
     return spy.call_count
 
 
-def _exactness(rank: int, world: int) -> dict[str, float]:
+def _exactness(rank: int, cp: int, group) -> dict[str, float]:
     flat = flattened()
     ref = tiny_model("llama")
     ref_out = ref(
         input_ids=flat["input_ids"], position_ids=flat["position_ids"], labels=flat["labels"], use_cache=False
     )
     ref_out.loss.backward()
-    model = apply_ring_attention(copy.deepcopy(ref))
-    batch = ring_batch(flat, rank, world)
+    model = apply_ring_attention(copy.deepcopy(ref), group)
+    batch = ring_batch(flat, rank, cp)
     outputs = []
 
     def step() -> None:
@@ -84,8 +85,8 @@ def _exactness(rank: int, world: int) -> dict[str, float]:
     gathers = _gathers_in(step)
     out = outputs[0]
     loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    logits = zigzag_gather(out.logits.detach())[:, : flat["input_ids"].shape[1]]
+    dist.all_reduce(loss, group=group)
+    logits = zigzag_gather(out.logits.detach(), group=group)[:, : flat["input_ids"].shape[1]]
     errors = {
         "gathers": float(gathers),
         "logits": ((logits - ref_out.logits).abs().max() / ref_out.logits.abs().max()).item(),
@@ -94,11 +95,11 @@ def _exactness(rank: int, world: int) -> dict[str, float]:
     worst = 0.0
     for (_, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
         grad = p.grad.detach().clone()
-        dist.all_reduce(grad)
+        dist.all_reduce(grad, group=group)
         worst = max(worst, ((grad - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)).item())
     errors["grad"] = worst
     # The collator's own packed rows: its cu_seqlens replace the old all_gather of the positions.
-    collator = RingDataCollator(rank, world, pad_token_id=0, max_length=48, packing=True)
+    collator = RingDataCollator(rank, cp, pad_token_id=0, max_length=48, packing=True)
     examples = [{"input_ids": list(range(1, n + 1))} for n in (30, 25, 20, 10)]
     packed = collator(examples)
     errors["collator gathers"] = float(_gathers_in(lambda: model(**packed).loss.backward()))
@@ -145,20 +146,28 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     return seen
 
 
-def worker(rank: int, world: int) -> tuple[dict[str, float], dict[str, str]]:
-    return _exactness(rank, world), _refusals(rank, world)
+def worker(rank: int, world: int) -> tuple[dict[int, dict[str, float]], dict[str, str]]:
+    """CP 2 (ranks 0 and 1 of a subgroup; rank 2 waits) and CP 3 (the world), one spawn."""
+    errors = {}
+    for cp in (2, 3):
+        group = dist.new_group(list(range(cp)))  # every rank creates every group
+        if rank < cp:
+            errors[cp] = _exactness(rank, cp, group)
+    return errors, _refusals(rank, world)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 3])
-def test_flattened_batch_on_the_ring_matches_one_process(world):
-    for rank, (errors, seen) in enumerate(run_distributed(worker, world, timeout=200)):
-        # One validation all_gather per forward, none for the document boundaries (was 2 for packed rows).
-        assert errors.pop("gathers") == 1 and errors.pop("collator gathers") == 1, errors
-        for name, err in errors.items():
-            limit = {"loss": LOSS_RTOL, "logits": LOGITS_RTOL, "grad": GRAD_RTOL}[name]
-            assert err <= limit, f"CP={world} {name}: {err:.2e} > {limit:.1e}"
+def test_flattened_batch_on_the_ring_matches_one_process():
+    world = 3
+    for rank, (by_cp, seen) in enumerate(run_distributed(worker, world, timeout=200)):
+        assert sorted(by_cp) == [2, 3][rank // 2 :]
+        for cp, errors in by_cp.items():
+            # One validation all_gather per forward, none for the document boundaries (was 2 for packed rows).
+            assert errors.pop("gathers") == 1 and errors.pop("collator gathers") == 1, (cp, errors)
+            for name, err in errors.items():
+                limit = {"loss": LOSS_RTOL, "logits": LOGITS_RTOL, "grad": GRAD_RTOL}[name]
+                assert err <= limit, f"CP={cp} {name}: {err:.2e} > {limit:.1e}"
         assert "cu_seq_lens_q" in seen["q_vs_k"] and "differ" in seen["q_vs_k"], seen
         assert "one flattened row" in seen["two_rows"], seen
         assert "must cover the sequence" in seen["short"], seen
