@@ -4,7 +4,8 @@ at very long context with exact zigzag ring attention (sliding windows included)
 The names below are the public API. The attention operator, sharding, the collator and the model
 patch import eagerly (torch + transformers only); the inference engine, the loss helpers and the
 trainer load on first use (the training loop itself is ``ringft.train.train``: ``ringft.train``
-is its package), so ``import ringft`` does not pull in accelerate, peft or datasets.
+is its package; ``RingTrainerMixin`` puts the ring into ``transformers.Trainer`` / TRL's
+``SFTTrainer``), so ``import ringft`` does not pull in accelerate, peft or datasets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _LAZY = {
     "chunked_lm_loss": "ringft.loss",
     "loss_normalization": "ringft.loss",
     "Recipe": "ringft.train",
+    "RingTrainerMixin": "ringft.train.hf",
     "TrainError": "ringft.train",
     "load_recipe": "ringft.train",
 }
@@ -36,6 +38,7 @@ __all__ = [
     "Recipe",
     "RingDataCollator",
     "RingInference",
+    "RingTrainerMixin",
     "TrainError",
     "apply_ring_attention",
     "build_hybrid_layout",

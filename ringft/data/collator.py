@@ -165,12 +165,7 @@ class RingDataCollator:
         """This rank's shard ``(batch, seq_len // cp_size)`` of every ``(batch, seq_len)`` tensor of
         :meth:`global_batch` (zigzag; :func:`cp_shard` with ``ulysses_size``); ``cu_seqlens``
         (global offsets) stays as it is."""
-        return {
-            k: cp_shard(v, self.cp_rank, self.cp_size, self.ulysses_size).contiguous()
-            if torch.is_tensor(v)
-            else v
-            for k, v in full.items()
-        }
+        return shard_sequence_tensors(full, self.cp_rank, self.cp_size, self.ulysses_size)
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The model inputs of this CP rank for ``examples`` (see the class docstring)."""
@@ -200,6 +195,41 @@ def _row_document_offsets(example: dict[str, Any], length: int, row: int) -> lis
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != length or any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"example {row}: cu_seqlens must rise strictly from 0 to {length}, got {cu[:8]}")
     return cu
+
+
+def shard_sequence_tensors(
+    full: dict[str, Any], cp_rank: int, cp_size: int, ulysses_size: int = 1
+) -> dict[str, Any]:
+    """``cp_rank``'s shard ``(batch, seq // cp_size)`` (contiguous) of every ``(batch, seq)`` tensor
+    of ``full`` (``seq`` a multiple of ``2 * cp_size``): zigzag, or with ``ulysses_size`` the
+    Ulysses x ring layout (:func:`cp_shard`); other values (``cu_seqlens``: global offsets) as they
+    are. The one sharding of every batch (this collator's and the trainer mixin's)."""
+    return {
+        k: cp_shard(v, cp_rank, cp_size, ulysses_size).contiguous() if torch.is_tensor(v) else v
+        for k, v in full.items()
+    }
+
+
+def pad_sequence_tensors(
+    full: dict[str, torch.Tensor], cp_size: int, pad_token_id: int, ignore_index: int = -100
+) -> dict[str, torch.Tensor]:
+    """Right-pad ``(batch, seq)`` tensors to the zigzag length of ``cp_size`` (the next multiple of
+    ``2 * cp_size``): ``input_ids`` with ``pad_token_id``, ``shift_labels`` / ``labels`` with
+    ``ignore_index`` (pads have no target), ``position_ids`` continuing each row (the pads extend
+    its last document, after every real token, so no real token attends to them)."""
+    seq = next(iter(full.values())).shape[1]
+    extra = zigzag_padded_length(seq, cp_size) - seq
+    if extra == 0:
+        return dict(full)
+    out = {}
+    for key, value in full.items():
+        if key == "position_ids":
+            tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype, device=value.device)
+            out[key] = torch.cat([value, tail], dim=1)
+        else:
+            fill = pad_token_id if key == "input_ids" else ignore_index
+            out[key] = torch.nn.functional.pad(value, (0, extra), value=fill)
+    return out
 
 
 def pad_and_shard(

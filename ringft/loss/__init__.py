@@ -7,17 +7,19 @@ gradient-accumulation micro-steps.
   :func:`output_projection`;
 - :mod:`ringft.loss.normalization`: :func:`loss_normalization`, the step's denominator and loss
   scale, shared by the trainer and hand-written loops;
-- :mod:`ringft.loss.module`: :class:`CausalLMLoss`, a model wrapped as ``batch -> loss share``.
+- :mod:`ringft.loss.module`: :class:`CausalLMLoss`, a model wrapped as ``batch -> loss share``, and
+  :func:`causal_lm_loss`, the same as a function (what ``ringft.RingTrainerMixin`` runs).
 """
 
 from ringft.loss.chunked import chunked_lm_loss
 from ringft.loss.head import checkpointed_head_loss, lm_loss_from_hidden, output_projection
-from ringft.loss.module import CausalLMLoss
+from ringft.loss.module import CausalLMLoss, causal_lm_loss
 from ringft.loss.normalization import LossNormalization, count_valid_targets, loss_normalization
 
 __all__ = [
     "CausalLMLoss",
     "LossNormalization",
+    "causal_lm_loss",
     "checkpointed_head_loss",
     "chunked_lm_loss",
     "count_valid_targets",

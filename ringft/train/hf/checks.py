@@ -1,0 +1,85 @@
+"""What a ring trainer refuses when it is built (on every rank: the checks read only local,
+identical settings), each with the fix in one line."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["check_no_accelerate_cp", "check_trainer_options"]
+
+WHERE = "ringft.RingTrainerMixin"
+
+
+def _cp_or_sp(config: Any) -> list[str]:
+    if config is None:
+        return []
+    return [f"{n}={getattr(config, n)}" for n in ("cp_size", "sp_size") if (getattr(config, n, 1) or 1) > 1]
+
+
+def check_no_accelerate_cp(args: Any) -> None:
+    """Refuse a ``parallelism_config`` with context or sequence parallelism: the ring replaces it."""
+    found = _cp_or_sp(getattr(args, "parallelism_config", None))
+    if found:
+        raise ValueError(
+            f"{WHERE}: TrainingArguments.parallelism_config has {', '.join(found)}; ringft's cp_size "
+            "replaces accelerate's context / sequence parallelism: drop them from the parallelism_config and "
+            "pass cp_size=... to the trainer"
+        )
+
+
+def _fsdp_requested(args: Any) -> bool:
+    return (
+        bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    )
+
+
+def check_trainer_options(trainer: Any) -> None:
+    """Raise ``ValueError`` for a setting the ring trainer cannot run exactly."""
+    args = trainer.args
+    found = _cp_or_sp(getattr(trainer.accelerator, "parallelism_config", None))
+    problems = []
+    if found:
+        problems.append(
+            f"the accelerate launch config sets {', '.join(found)}: remove its parallelism_config and pass "
+            "cp_size"
+        )
+    if trainer.compute_loss_func is not None or getattr(args, "label_smoothing_factor", 0):
+        problems.append(
+            "compute_loss_func / label_smoothing_factor need the full logits, which the ring trainer never "
+            "builds (chunked loss): drop them"
+        )
+    if getattr(args, "loss_type", "nll") not in ("nll", None):
+        problems.append(
+            f"SFTConfig.loss_type={args.loss_type!r}: the ring trainer computes the plain NLL ('nll')"
+        )
+    if getattr(args, "use_liger_kernel", False):
+        problems.append("use_liger_kernel replaces the model's forward and loss: turn it off")
+    if getattr(args, "torch_compile", False):
+        problems.append("torch_compile is not supported with the ring: turn it off")
+    if getattr(args, "n_gpu", 1) > 1:
+        problems.append("one process drives several GPUs (DataParallel): launch one process per GPU")
+    if "inputs" in (getattr(args, "include_for_metrics", None) or []):
+        problems.append(
+            "include_for_metrics='inputs' would hand the metrics a CP rank's shard: drop 'inputs'"
+        )
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        problems.append("train_sampling_strategy='batch_rebalance' shards over every process: use 'random'")
+    acc_config = getattr(args, "accelerator_config", None)
+    if getattr(acc_config, "dispatch_batches", None) or getattr(acc_config, "split_batches", False):
+        problems.append("accelerator_config dispatch_batches / split_batches: leave them off")
+    if _fsdp_requested(args) and not trainer.is_fsdp_enabled:
+        problems.append(
+            "FSDP was asked for but accelerate did not enable it (accelerate runs FSDP only on accelerators; "
+            "on CPU it would train unsharded): use DDP or DeepSpeed ZeRO-3 on CPU"
+        )
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if trainer.accelerator.num_processes != launched:
+        problems.append(
+            f"accelerate runs {trainer.accelerator.num_processes} process(es) but {launched} were launched "
+            "(accelerate then trains each process alone): on CPU pass use_cpu=True in the TrainingArguments"
+        )
+    if problems:
+        raise ValueError(f"{WHERE}: " + "; ".join(problems))

@@ -1,0 +1,231 @@
+"""``RingTrainerMixin``: exact zigzag ring attention (CP) x DP inside ``transformers.Trainer`` and
+TRL's ``SFTTrainer``.
+
+::
+
+    class RingSFTTrainer(RingTrainerMixin, SFTTrainer): pass
+    trainer = RingSFTTrainer(model=model, args=SFTConfig(packing=True, ...), train_dataset=ds, cp_size=4)
+    trainer.train()  # under `accelerate launch`: world = dp x cp, CP groups contiguous
+
+What it changes in the base trainer (each override delegates to the base class when the ring is
+off, so ``cp_size=1`` without memory options is the base class unchanged):
+
+- ``__init__``: checks versions and options, builds ringft's DP x CP layout
+  (:func:`ringft.ops.parallel.build_layout`), switches the model to the ring
+  (:func:`ringft.apply_ring_attention`), installs the chunked-loss forward
+  (:mod:`ringft.train.hf.forward`) and, if asked, the tiled MLP;
+- ``_get_dataloader``: every dataloader reads per DP replica and shards per CP rank
+  (:mod:`ringft.train.hf.data`);
+- ``get_cp_size``: the CP size, so the Trainer's total batch size counts DP replicas;
+- ``_get_num_items_in_batch``: the step's denominator and loss scale, refused batches raised on
+  every rank, token counters (:mod:`ringft.train.hf.steps`); ``_track_num_input_tokens`` reads them;
+- ``compute_loss``: ringft's chunked loss through the wrapped model, times the loss scale;
+- ``prediction_step`` / ``evaluation_loop``: eval loss over the CP group, logits gathered within CP
+  and un-zigzagged, metrics gathered across DP only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ringft.data.hf_batch import RING_LABELS, RING_LENGTH
+from ringft.ops.parallel import ParallelLayout, build_layout
+from ringft.train.hf.checks import WHERE, check_no_accelerate_cp, check_trainer_options
+from ringft.train.hf.data import RingCollate, gather_over_dp, shard_loader_over_dp
+from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, predict_logits, ring_loss
+from ringft.train.hf.steps import exchange_step_counts, loss_scale
+from ringft.train.hf.versions import check_versions
+
+__all__ = ["RingTrainerMixin"]
+
+_TOKENS = (
+    "ring_tokens_seen"  # per batch, set by the step's exchange: (all, non-padding, TRL's) of the DP group
+)
+
+
+@dataclass
+class _Ring:
+    """The ring settings of one trainer."""
+
+    layout: ParallelLayout
+    pad_token_id: int
+    count_pad_token_id: int | None
+
+
+def _uses_trl(cls: type) -> bool:
+    return any(c.__module__.split(".")[0] == "trl" for c in cls.__mro__)
+
+
+def _training_args(args: tuple, kwargs: dict) -> Any:
+    return kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+
+
+def _pad_ids(tokenizer: Any) -> tuple[int, int | None]:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    fill = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+    return fill, pad
+
+
+class RingTrainerMixin:
+    """Mix in before ``transformers.Trainer`` or ``trl.SFTTrainer``:
+    ``class RingTrainer(RingTrainerMixin, Trainer): pass``.
+
+    Keyword arguments (all other arguments go to the base trainer):
+
+    - ``cp_size``: ranks per ring (context parallelism); the world size must be a multiple of it
+      (``dp = world // cp_size`` replicas; ranks ``d * cp_size .. (d + 1) * cp_size - 1`` form ring
+      ``d``, so a ring stays inside a node). 1 (default) without the options below: the base trainer.
+    - ``ring_backend``: the block kernel (``"auto"``, ``"flash_attn"``, ``"torch"``, ``"reference"``).
+    - ``loss_chunk_size``: tokens per chunk of the ``lm_head`` + cross-entropy (no full logits).
+    - ``tiled_mlp_tokens``: run the MLP over token tiles of this size (``ringft.model.tiled_mlp``).
+    - ``offload_activations``: keep the decoder's saved activations in CPU memory.
+
+    Gradient checkpointing is the Trainer's own (``activation_checkpointing=True``). Launch with
+    ``accelerate launch`` (DDP, DeepSpeed ZeRO-3, FSDP1 / FSDP2 configs), ``cp_size`` given here,
+    not in accelerate's ``parallelism_config``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        cp_size: int = 1,
+        ring_backend: str = "auto",
+        loss_chunk_size: int = 4096,
+        tiled_mlp_tokens: int | None = None,
+        offload_activations: bool = False,
+        **kwargs: Any,
+    ):
+        if not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"{WHERE}: cp_size must be an integer >= 1, got {cp_size!r}")
+        if loss_chunk_size < 1:
+            raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
+        self._ring: _Ring | None = None
+        active = cp_size > 1 or bool(tiled_mlp_tokens) or offload_activations
+        if active:
+            check_versions(uses_trl=_uses_trl(type(self)))
+            check_no_accelerate_cp(_training_args(args, kwargs))
+            if kwargs.get("model_init") is not None:
+                raise ValueError(f"{WHERE}: model_init is not supported with the ring: pass model=")
+        super().__init__(*args, **kwargs)
+        if not active:
+            return
+        layout = build_layout(cp_size, self.args.device.type)
+        check_trainer_options(self)
+        from ringft.model.patch import apply_ring_attention
+
+        apply_ring_attention(self.model, layout.cp_group, ring_backend)
+        install_ring_loss_forward(self.model, loss_chunk_size, offload_activations)
+        if tiled_mlp_tokens:
+            from ringft.model.tiled_mlp import enable_tiled_mlp
+
+            enable_tiled_mlp(self.model, tile_tokens=tiled_mlp_tokens)
+        if self.is_fsdp_enabled:  # reduce-scatter every micro-step: a rank never holds unsharded gradients
+            self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+        self.loss_is_scaled_for_ga = True  # the loss is divided by the whole step's count
+        self._ring = _Ring(layout, *_pad_ids(self.processing_class))
+
+    # -- layout and data ---------------------------------------------------------------------
+    @property
+    def ring_layout(self) -> ParallelLayout | None:
+        """This process's DP x CP layout (None when the ring is off)."""
+        return None if self._ring is None else self._ring.layout
+
+    def get_cp_size(self) -> int:
+        """The ring's CP size (the Trainer divides the world by it to count DP replicas)."""
+        return super().get_cp_size() if self._ring is None else self._ring.layout.cp_size
+
+    def _get_dataloader(
+        self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
+    ):
+        loader = super()._get_dataloader(
+            dataset,
+            description,
+            batch_size,
+            sampler_fn,
+            is_training=is_training,
+            dataloader_key=dataloader_key,
+        )
+        if self._ring is None:
+            return loader
+        ring = self._ring
+        collate = RingCollate(
+            loader.collate_fn,
+            ring.layout.cp_rank,
+            ring.layout.cp_size,
+            ring.pad_token_id,
+            keep_labels=not is_training,
+            count_pad_token_id=ring.count_pad_token_id,
+        )
+        return shard_loader_over_dp(loader, ring.layout, collate, description)
+
+    # -- training ----------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        if self._ring is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        if not batch_samples:
+            return None
+        counts = exchange_step_counts(
+            batch_samples, self._ring.layout, self.args.average_tokens_across_devices, device, WHERE
+        )
+        for batch, tokens in zip(batch_samples, counts.tokens):
+            batch[_TOKENS] = tokens
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None and hasattr(self, "_total_train_tokens"):  # TRL's num_tokens
+            self._total_train_tokens += sum(t[2] for t in counts.tokens)
+            metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return counts.num_items
+
+    def _track_num_input_tokens(self, inputs: dict) -> None:
+        if self._ring is None:
+            return super()._track_num_input_tokens(inputs)
+        mode = self.args.include_num_input_tokens_seen
+        if mode in ("no", False, None) or _TOKENS not in inputs:
+            return None
+        self.state.num_input_tokens_seen += inputs[_TOKENS][1 if mode == "non_padding" else 0]
+        return None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The ring's loss share of this rank (see :mod:`ringft.train.hf.steps` for the scale)."""
+        if self._ring is None:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        if return_outputs:
+            raise NotImplementedError(
+                f"{WHERE}: compute_loss(return_outputs=True) would need full logits; use predict() for logits"
+            )
+        if num_items_in_batch is None:
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        scale = loss_scale(self._ring.layout, self.args.average_tokens_across_devices)
+        return ring_loss(model, inputs, num_items_in_batch) * scale
+
+    # -- evaluation and prediction -------------------------------------------------------------
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ring is not None:  # the base loop resets it to accelerate's when it ends
+            self.gather_function = functools.partial(
+                gather_over_dp, layout=self._ring.layout, gradient_state=self.accelerator.gradient_state
+            )
+        return super().evaluation_loop(*args, **kwargs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """``(loss, logits, labels)`` of one eval batch, as one process computes them: the loss over
+        the CP group, logits ``(batch, seq, vocab)`` gathered and un-zigzagged, the collated labels."""
+        if self._ring is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        layout, avg = self._ring.layout, self.args.average_tokens_across_devices
+        inputs = self._prepare_inputs(inputs)
+        counts = exchange_step_counts([inputs], layout, avg, self.args.device, WHERE, need_labels=False)
+        has_labels = inputs.get("shift_labels") is not None
+        scale = layout.dp_size if avg else 1
+        if prediction_loss_only:
+            if not has_labels:
+                return None, None, None
+            return eval_loss_sum(model, inputs, layout) / counts.num_items * scale, None, None
+        logits, loss_sum = predict_logits(model, inputs, layout, int(inputs[RING_LENGTH]))
+        loss = None if loss_sum is None else loss_sum / counts.num_items * scale
+        return loss, logits, inputs.get(RING_LABELS)

@@ -1,0 +1,124 @@
+"""Session fixtures of the RingTrainerMixin tests: every 2-rank run in one spawn and every 4-rank
+run in another (importing torch, transformers and TRL costs a process tens of seconds on 2 cores;
+a trainer in a warm process, a few). The runs are described in tests/train/hf_runs.py; the tests
+that read them: test_hf_trainer.py, test_hf_fsdp.py, test_hf_launch.py (whose launched runs are
+compared with one-process references computed here)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ringft.ops.spawn import run_distributed
+from tests.train.hf_runs import phased_worker, spec, tiny_model_dir, zero3_argv
+
+REPO = Path(__file__).resolve().parents[2]
+SPAWN_TIMEOUT = 600.0
+
+
+def _collect(names: list[str], results: list[list[dict]]) -> dict[str, dict]:
+    """``name`` -> rank 0's result, ``name@r`` -> rank r's."""
+    out = {}
+    for rank, per_rank in enumerate(results):
+        for name, res in zip(names, per_rank):
+            out[name if rank == 0 else f"{name}@{rank}"] = res
+    return out
+
+
+def run_cpu_oracle_argv(model: Path, out: Path) -> list[str]:
+    """recipes/trl_sft/run_cpu.sh's one-process command (``ONE_PROCESS=1 DRY_RUN=1``): its
+    sft.py arguments, as shipped."""
+    env = dict(os.environ, ONE_PROCESS="1", DRY_RUN="1", MODEL=str(model), OUTPUT_DIR=str(out))
+    line = subprocess.run(
+        ["bash", str(REPO / "recipes" / "trl_sft" / "run_cpu.sh")], env=env, capture_output=True, text=True
+    ).stdout.strip()
+    words = shlex.split(line)
+    return words[words.index("recipes/trl_sft/sft.py") + 1 :]
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops() -> None:
+    """DeepSpeed's CPU all-reduce op built (tests/train/launch_env.py) before a DeepSpeed launch."""
+    pytest.importorskip("deepspeed")
+    from tests.train.launch_env import BUILD_TIMEOUT, EXTENSIONS_DIR, build_deepspeed_ops
+
+    try:
+        build_deepspeed_ops()
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"DeepSpeed CPU op build took over {BUILD_TIMEOUT} s (held lock in {EXTENSIONS_DIR}?)")
+
+
+@pytest.fixture(scope="session")
+def hf_root(tmp_path_factory) -> Path:
+    """Scratch folder of the mixin runs, with the tiny model saved (``tiny``)."""
+    root = tmp_path_factory.mktemp("hf")
+    tiny_model_dir(root / "tiny")
+    return root
+
+
+@pytest.fixture(scope="session")
+def hf_two(hf_root) -> dict[str, dict]:
+    """The 2-process spawn: one-process references (each rank runs its own list, no group), then
+    dp2 DDP references, the dp1 x cp2 ring runs and the FSDP steps."""
+    from tests.real_model import smollm2_path
+
+    r = hf_root
+    alone = [
+        {
+            "one": spec(f"{r}/one", evaluate=True, predict=True),
+            "one-ga": spec(f"{r}/one-ga", mb=1, ga=2, gc=True),
+            "one-epoch": spec(f"{r}/one-epoch", steps=0, rows=21),
+            "smollm2-one": spec(
+                f"{r}/s1", kind="script", argv=run_cpu_oracle_argv(smollm2_path(), r / "smollm2-one")
+            ),
+        },
+        {
+            "one-sft": spec(f"{r}/one-sft", kind="sft", evaluate=True),
+            "one-lora": spec(f"{r}/one-lora", lora=True),
+            "inert": spec(f"{r}/inert", mixin=True, cp=1),
+            "zero3-one": spec(
+                f"{r}/z1", kind="script", argv=zero3_argv(str(r / "tiny"), str(r / "zero3-one"))
+            ),
+        },
+    ]
+    ring = dict(mixin=True, cp=2)
+    together = {
+        "ddp": spec(f"{r}/ddp", evaluate=True, predict=True),
+        "ddp-off": spec(f"{r}/ddp-off", avg=False),
+        "ddp-epoch": spec(f"{r}/ddp-epoch", steps=0, rows=21),
+        "cp": spec(f"{r}/cp", **ring, evaluate=True, predict=True, save=2),
+        "cp-resumed": spec(f"{r}/cp", **ring, resume=f"{r}/cp/checkpoint-2"),
+        "cp-ga": spec(f"{r}/cp-ga", **ring, mb=1, ga=2, gc=True),
+        "cp-epoch": spec(f"{r}/cp-epoch", **ring, steps=0, rows=21),
+        "cp-sft": spec(f"{r}/cp-sft", kind="sft", **ring, evaluate=True),
+        "cp-lora": spec(f"{r}/cp-lora", **ring, lora=True),
+        "cp-left-padded": spec(f"{r}/cp-left", **ring, collate="left"),
+        "fsdp": spec(f"{r}/fsdp", kind="fsdp"),
+    }
+    lists = [list(a.values()) for a in alone]
+    results = run_distributed(
+        phased_worker, 2, lists, list(together.values()), str(r / "store2"), timeout=SPAWN_TIMEOUT
+    )
+    out = _collect(list(together), [res["together"] for res in results])
+    for rank, names in enumerate(alone):
+        out.update(zip(names, results[rank]["alone"]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_four(hf_root) -> dict[str, dict]:
+    """The 4-process spawn: the dp2 x cp2 ring runs."""
+    r, ring = hf_root, dict(mixin=True, cp=2)
+    runs = {
+        "dp-cp": spec(f"{r}/dp-cp", **ring, evaluate=True, predict=True),
+        "dp-cp-off": spec(f"{r}/dp-cp-off", **ring, avg=False),
+        "dp-cp-epoch": spec(f"{r}/dp-cp-epoch", **ring, steps=0, rows=21),
+    }
+    results = run_distributed(
+        phased_worker, 4, [], list(runs.values()), str(r / "store4"), timeout=SPAWN_TIMEOUT
+    )
+    return _collect(list(runs), [res["together"] for res in results])

@@ -1,0 +1,76 @@
+"""What RingTrainerMixin refuses before it trains (no processes: the checks read settings only):
+untested transformers / trl versions, accelerate's own context parallelism, options that would
+need full logits or shard over every process, FSDP that accelerate silently drops on CPU."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from types import SimpleNamespace
+
+import pytest
+
+from ringft.train.hf.checks import check_no_accelerate_cp, check_trainer_options
+from ringft.train.hf.versions import SUPPORTED, check_versions
+
+
+def test_installed_versions_are_supported():
+    """The CI venv (setup.cfg's dev extra) installs versions inside the supported ranges."""
+    check_versions(uses_trl=True)
+
+
+@pytest.mark.parametrize(
+    "package, version", [("transformers", "5.25.0"), ("transformers", "5.23.1"), ("trl", "1.17.0")]
+)
+def test_unsupported_version_is_refused(monkeypatch, package, version):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: version if p == package else real(p))
+    low, high = SUPPORTED[package]
+    with pytest.raises(
+        RuntimeError, match=rf"tested with {package}>={low},<{high} but {version} is installed"
+    ):
+        check_versions(uses_trl=True)
+
+
+def test_trl_version_is_checked_only_for_trl_trainers(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: "0.1" if p == "trl" else real(p))
+    check_versions(uses_trl=False)
+
+
+@pytest.mark.parametrize("field", ["cp_size", "sp_size"])
+def test_accelerate_context_parallelism_is_refused(field):
+    args = SimpleNamespace(parallelism_config=SimpleNamespace(**{"cp_size": 1, "sp_size": 1, field: 2}))
+    with pytest.raises(ValueError, match=rf"parallelism_config has {field}=2; ringft's cp_size replaces"):
+        check_no_accelerate_cp(args)
+    check_no_accelerate_cp(
+        SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=1, sp_size=1, tp_size=2))
+    )
+
+
+def _trainer(**args) -> SimpleNamespace:
+    base = dict(fsdp="", n_gpu=1, label_smoothing_factor=0.0, include_for_metrics=[], accelerator_config=None)
+    return SimpleNamespace(
+        args=SimpleNamespace(**{**base, **args}),
+        accelerator=SimpleNamespace(parallelism_config=None, num_processes=1),
+        compute_loss_func=None,
+        is_fsdp_enabled=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"label_smoothing_factor": 0.1}, "need the full logits"),
+        ({"loss_type": "dft"}, "loss_type='dft'"),
+        ({"use_liger_kernel": True}, "use_liger_kernel"),
+        ({"torch_compile": True}, "torch_compile"),
+        ({"n_gpu": 2}, "one process per GPU"),
+        ({"include_for_metrics": ["inputs"]}, "include_for_metrics='inputs'"),
+        ({"train_sampling_strategy": "batch_rebalance"}, "batch_rebalance"),
+        ({"fsdp": "full_shard"}, "accelerate runs FSDP only on accelerators"),
+    ],
+)
+def test_options_that_cannot_run_exactly_are_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        check_trainer_options(_trainer(**args))
+    check_trainer_options(_trainer())

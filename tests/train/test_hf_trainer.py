@@ -1,0 +1,176 @@
+"""``RingTrainerMixin`` in ``transformers.Trainer`` and TRL's ``SFTTrainer`` against the same
+trainers without ringft, on gloo CPU processes (tiny fp32 LLaMA, tests/train/hf_runs.py).
+
+Two spawns hold every run (tests/train/conftest.py; process start and the transformers / TRL
+imports cost seconds):
+
+- 2 processes: first each one runs one-process references on its own (no process group), then
+  together: plain ``Trainer`` with dp=2 (DDP: the references of the 4-process runs) and the ring
+  trainers with dp=1 x cp=2;
+- 4 processes: the ring trainers with dp=2 x cp=2.
+
+Oracles: one-process ``Trainer`` / ``SFTTrainer`` (sdpa attention; transformers masks the packed
+documents of TRL's padding-free batches from their restarting position_ids), or plain DDP with dp=2.
+
+Tolerances (derived as in tests/train/test_trainer.py, issue 18): the runs compute the same fp32
+math with the sums in another order (ring vs full attention, shards vs whole rows, chunked vs
+whole logits). A step's loss is a mean over at most TOKENS_PER_STEP targets of a log-sum-exp over
+VOCAB logits: LOSS_RTOL = (TOKENS_PER_STEP + VOCAB) * eps32 = 2.3e-4; AdamW's update is
+scale-free, so the gradients' relative error passes into it 1:1 over STEPS steps: UPDATE_RTOL =
+STEPS * LOSS_RTOL. The bugs these tests exist for are far outside: a loss scaled by cp (2x), a
+denominator counted per rank instead of per step (>= 1 / 128 = 8e-3), packed documents attending
+across their boundaries (~1e-3 of the loss here, 1.5x the gradient), a skipped or duplicated batch
+(whole per cents of the update). Resuming replays the same operations: equal to the last bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.train.hf_runs import EPS32, LOSS_RTOL, STEPS, assert_updates_close, examples
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def assert_same_training(got: dict, ref: dict, rtol: float = LOSS_RTOL) -> None:
+    """Same logged loss and grad norm every step, same weight update (relative, per tensor)."""
+    assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    assert got["losses"] == pytest.approx(ref["losses"], rel=rtol)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=STEPS * rtol)
+    assert_updates_close(got["final"], ref["final"], ref["initial"], STEPS * rtol)
+
+
+# -- dp=1 x cp=2 against one process -------------------------------------------------------------
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_cp2_trainer_matches_one_process(hf_two):
+    """Trainer(cp_size=2) on 2 ranks == Trainer on 1 process: loss, grad norm, update. Also the
+    regression test of transformers #46775 (loss over-scaled by the SP size): a loss scaled by cp
+    would be 2x here."""
+    assert_same_training(hf_two["cp"], hf_two["one"])
+    assert hf_two["cp@1"]["losses"] == hf_two["cp"]["losses"]  # every rank logs the step's loss
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_cp_size_1_is_the_base_trainer(hf_two):
+    """cp_size=1 without memory options: the base class, bit for bit."""
+    assert hf_two["inert"]["losses"] == hf_two["one"]["losses"]
+    for name, value in hf_two["one"]["final"].items():
+        assert np.array_equal(hf_two["inert"]["final"][name], value), name
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_grad_accum_and_activation_checkpointing(hf_two):
+    """micro batch 1 x gradient accumulation 2 with activation checkpointing: the step's
+    denominator counts both micro-steps on both ranks."""
+    assert_same_training(hf_two["cp-ga"], hf_two["one-ga"])
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_lora(hf_two):
+    """peft LoRA (q/v): the adapter trains as in one process; the frozen base does not move."""
+    assert_same_training(hf_two["cp-lora"], hf_two["one-lora"])
+    assert all("lora_" in k for k in hf_two["cp-lora"]["final"])
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_sft_packing_matches_one_process(hf_two):
+    """SFTTrainer(packing=True) (bfd, padding-free: restarting position_ids, varlen keys) with cp=2
+    == one process on the same packed batches, documents masked apart. Regression test of axolotl
+    #3608 (packing inflated the loss 1.83x) and of TRL #6843 (packing refused with CP)."""
+    assert_same_training(hf_two["cp-sft"], hf_two["one-sft"])
+    assert hf_two["cp-sft"]["num_tokens"] == hf_two["one-sft"]["num_tokens"]  # TRL's token counter
+    assert hf_two["cp-sft"]["eval_loss"] == pytest.approx(hf_two["one-sft"]["eval_loss"], rel=LOSS_RTOL)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_resume_continues_the_loss_curve(hf_two):
+    """resume_from_checkpoint at step 2 of a cp=2 run: steps 3-4 and the final weights equal the
+    uninterrupted run's exactly (the log history of steps 1-2 comes from the checkpoint)."""
+    whole, resumed = hf_two["cp"], hf_two["cp-resumed"]
+    assert resumed["global_step"] == STEPS
+    assert resumed["losses"] == whole["losses"]
+    for name, value in whole["final"].items():
+        assert np.array_equal(resumed["final"][name], value), name
+
+
+# -- evaluation, prediction, step counts --------------------------------------------------------------
+
+
+def _real_positions() -> np.ndarray:
+    """(rows, longest) mask of the eval examples' real tokens (predict pads them with -100)."""
+    lengths = [len(e["input_ids"]) for e in examples(7, 99, 10, 40, prompts=True)]
+    return np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
+
+
+def assert_same_predictions(got: dict, ref: dict) -> None:
+    """Logits equal at every real token (same fp32 math reordered: (seq + hidden + intermediate) eps
+    of the largest logit; padded positions hold whatever attention over padding gives), labels equal."""
+    assert got["predictions"].shape == ref["predictions"].shape
+    real = _real_positions()
+    diff = np.abs(got["predictions"] - ref["predictions"])[real].max()
+    scale = np.abs(ref["predictions"][real]).max()
+    assert diff <= (64 + 32 + 64) * EPS32 * scale, diff
+    assert np.array_equal(got["label_ids"], ref["label_ids"])
+    assert got["test_loss"] == pytest.approx(ref["test_loss"], rel=LOSS_RTOL)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_evaluate_and_predict_match_one_process(hf_two):
+    """evaluate(): the eval loss of one process (regression test of transformers #48167: eval loss cp
+    times too large); predict(): logits gathered within CP and un-zigzagged, labels, loss."""
+    cp, one = hf_two["cp"], hf_two["one"]
+    assert cp["eval_loss"] == pytest.approx(one["eval_loss"], rel=LOSS_RTOL)
+    assert hf_two["cp@1"]["eval_loss"] == cp["eval_loss"]
+    assert_same_predictions(cp, one)
+
+
+@pytest.mark.timeout(600)
+def test_step_counts_follow_dp_not_world(hf_two, hf_four):
+    """One epoch of 21 examples (micro batch 2): the steps, epochs, total batch size and tokens seen
+    of cp=2 equal one process's and dp2 x cp2's equal dp2's. Regression test of axolotl #3444 (batch
+    size and step counts multiplied by the CP size)."""
+    for got, ref in (
+        (hf_two["cp-epoch"], hf_two["one-epoch"]),
+        (hf_four["dp-cp-epoch"], hf_two["ddp-epoch"]),
+    ):
+        for key in ("max_steps", "global_step", "epochs", "total_batch", "tokens_seen"):
+            assert got[key] == ref[key], key
+        assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
+    assert hf_two["one-epoch"]["max_steps"] == 11 and hf_two["ddp-epoch"]["max_steps"] == 6
+
+
+@pytest.mark.timeout(600)
+def test_left_padding_is_refused_on_every_rank(hf_two):
+    """A left-padding attention mask: one clear error on both ranks (no hang), naming the fix."""
+    for name in ("cp-left-padded", "cp-left-padded@1"):
+        message = hf_two[name]["error"]
+        assert "right padding" in message and "padding_side = 'right'" in message, message
+
+
+# -- dp=2 x cp=2 against dp=2 ------------------------------------------------------------------------
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
+def test_dp2_cp2_matches_dp2(hf_two, hf_four):
+    """4 ranks (dp2 x cp2) == DDP on 2 ranks: with average_tokens_across_devices on (the step's
+    count over every rank) and off (each replica's own count, averaged over replicas); eval loss and
+    predictions gathered across DP only."""
+    assert_same_training(hf_four["dp-cp"], hf_two["ddp"])
+    assert_same_training(hf_four["dp-cp-off"], hf_two["ddp-off"])
+    assert hf_four["dp-cp-off"]["losses"] != pytest.approx(hf_four["dp-cp"]["losses"], rel=LOSS_RTOL)
+    assert hf_four["dp-cp"]["eval_loss"] == pytest.approx(hf_two["ddp"]["eval_loss"], rel=LOSS_RTOL)
+    assert_same_predictions(hf_four["dp-cp"], hf_two["ddp"])
+    for rank in (1, 2, 3):
+        assert hf_four[f"dp-cp@{rank}"]["losses"] == hf_four["dp-cp"]["losses"]
