@@ -35,8 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import describe_machine  # noqa: E402
+from ringft.data.packer import balanced_order  # noqa: E402
 from ringft.ops import DTYPES, default_softmax_scale, get_backend  # noqa: E402
-from ringft.ops.documents import balanced_order, document_plan  # noqa: E402
+from ringft.ops.documents import document_plan  # noqa: E402
 from ringft.ops.emulate import run_schedule  # noqa: E402
 from ringft.ops.sharding import zigzag_shard  # noqa: E402
 

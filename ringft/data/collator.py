@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ringft.ops.documents import balanced_order
-from ringft.ops.sharding import zigzag_shard
+from ringft.data.packer import pack_rows, padding_fraction
+from ringft.ops.sharding import zigzag_padded_length, zigzag_shard
 
 
 class RingDataCollator:
@@ -25,21 +24,24 @@ class RingDataCollator:
       (so no target is lost at a chunk edge); pads and the last position are ``ignore_index``;
     - ``num_items_in_batch``: number of valid targets in the whole batch (all CP ranks), so each
       rank's ``.loss`` is its share and the shares sum to the batch's mean token loss;
+    - ``cu_seqlens``: each row's *global* document offsets ``[0, ..., seq_len]`` (a list of int
+      lists, the same on every rank): the ring masks documents apart from them, with no
+      collective (:mod:`ringft.model.inputs`); ``[0, seq_len]`` for a row of one example;
     - ``use_cache``: False.
 
     ``document_masking=True``: every example is an already packed row with its document offsets
     ``"cu_seqlens": [0, ..., len(input_ids)]`` (``data_prep/pack.py --document-masking`` writes them);
     positions and labels then follow the documents as in packing mode.
 
-    ``packing=True`` (needs ``max_length``): the examples are packed into as few rows of
-    ``max_length`` tokens as first-fit decreasing finds, documents of any length up to
-    ``max_length`` (no per-document padding). ``position_ids`` restart at 0 at every document
-    (transformers' padding-free convention, from which the ring derives the document boundaries),
-    labels are shifted *within* each document (its last token has no target, so nothing learns to
-    predict the next document), and the row's padding is one more document without targets.
-    Inside a row the documents are ordered to even out the CP ranks' attention work
-    (:func:`ringft.ops.documents.balanced_order`; any order is exact). :attr:`last_padding_fraction`
-    and :attr:`last_rows` (example indices per row, in order) describe the last packed batch.
+    ``packing=True`` (needs ``max_length``): the examples are packed into rows of ``max_length``
+    tokens by :func:`ringft.data.packer.pack_rows` (best-fit decreasing; documents of any length up
+    to ``max_length``, no per-document padding). ``position_ids`` restart at 0 at every document
+    (transformers' padding-free convention), labels are shifted *within* each document (its last
+    token has no target, so nothing learns to predict the next document), and the row's padding is
+    one more document without targets. Inside a row the documents are ordered to even out the CP
+    ranks' attention work (:func:`ringft.data.packer.balanced_order`; any order is exact).
+    :attr:`last_padding_fraction` and :attr:`last_rows` (example indices per row, in order) describe
+    the last packed batch.
 
     Every CP rank of a replica must receive the same examples (same order).
     """
@@ -59,13 +61,10 @@ class RingDataCollator:
             raise ValueError(f"cp_rank must be in 0..cp_size-1, got cp_rank={cp_rank}, cp_size={cp_size}")
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.pad_token_id, self.ignore_index = pad_token_id, ignore_index
-        multiple = 2 * cp_size
-        if pad_to_multiple_of:
-            multiple = multiple * pad_to_multiple_of // math.gcd(multiple, pad_to_multiple_of)
-        self.multiple = multiple
-        if max_length is not None and max_length % multiple:
+        self.pad_to_multiple_of = pad_to_multiple_of
+        if max_length is not None and max_length != self.padded_length(max_length):
             raise ValueError(
-                f"max_length={max_length} is not a multiple of {multiple} (2 * cp_size"
+                f"max_length={max_length} is not a multiple of {self.padded_length(1)} (2 * cp_size"
                 f"{' and pad_to_multiple_of' if pad_to_multiple_of else ''}): choose a multiple"
             )
         self.max_length = max_length
@@ -78,10 +77,11 @@ class RingDataCollator:
 
     def padded_length(self, length: int) -> int:
         """The collated sequence length for a longest example of ``length`` tokens."""
-        return max(self.multiple, math.ceil(length / self.multiple) * self.multiple)
+        return zigzag_padded_length(length, self.cp_size, self.pad_to_multiple_of)
 
-    def global_batch(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Padded, shifted, *unsharded* tensors ``(batch, seq_len)`` (what one process would see)."""
+    def global_batch(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Padded, shifted, *unsharded* tensors ``(batch, seq_len)`` (what one process would see),
+        and ``cu_seqlens``: each row's global document offsets ``[0, ..., seq_len]`` (int lists)."""
         if not examples:
             raise ValueError("RingDataCollator got an empty list of examples")
         ids = [list(map(int, ex["input_ids"])) for ex in examples]
@@ -89,31 +89,24 @@ class RingDataCollator:
         for i, (a, b) in enumerate(zip(ids, labels)):
             if len(a) != len(b):
                 raise ValueError(f"example {i}: input_ids ({len(a)}) and labels ({len(b)}) differ in length")
-        longest = max(len(a) for a in ids)
         if self.packing:
             return self._packed_batch(ids, labels)
+        longest = max(len(a) for a in ids)
         if self.max_length is not None and longest > self.max_length:
             raise ValueError(
                 f"an example has {longest} tokens, more than max_length={self.max_length}: truncate or "
                 "pack the data to the training length first"
             )
         seq_len = self.max_length or self.padded_length(longest)
-        input_ids = torch.full((len(ids), seq_len), self.pad_token_id, dtype=torch.long)
-        full_labels = torch.full((len(ids), seq_len + 1), self.ignore_index, dtype=torch.long)
-        for row, (a, b) in enumerate(zip(ids, labels)):
-            input_ids[row, : len(a)] = torch.tensor(a, dtype=torch.long)
-            full_labels[row, : len(b)] = torch.tensor(b, dtype=torch.long)
-        shift_labels = full_labels[:, 1:].contiguous()  # position i predicts token i+1
-        position_ids = torch.arange(seq_len, dtype=torch.long).expand(len(ids), seq_len).contiguous()
-        if self.document_masking:  # pre-packed rows that carry their document offsets
-            for row, ex in enumerate(examples):
-                starts = _row_document_starts(ex, len(ids[row]), row)
-                for a, b in zip(starts, [*starts[1:], seq_len]):
-                    position_ids[row, a:b] = torch.arange(b - a)
-                    shift_labels[row, b - 1] = self.ignore_index  # no target crosses a boundary
-        return {"input_ids": input_ids, "position_ids": position_ids, "shift_labels": shift_labels}
+        if not self.document_masking:  # one document per row; the padding continues it
+            return self._rows([[(a, b)] for a, b in zip(ids, labels)], seq_len, padding_restarts=False)
+        rows = []
+        for row, ex in enumerate(examples):  # pre-packed rows that carry their document offsets
+            cu = _row_document_offsets(ex, len(ids[row]), row)
+            rows.append([(ids[row][a:b], labels[row][a:b]) for a, b in zip(cu, cu[1:])])
+        return self._rows(rows, seq_len, padding_restarts=True)
 
-    def _packed_batch(self, ids: list[list[int]], labels: list[list[int]]) -> dict[str, torch.Tensor]:
+    def _packed_batch(self, ids: list[list[int]], labels: list[list[int]]) -> dict[str, Any]:
         seq_len = self.max_length
         too_long = [i for i, a in enumerate(ids) if len(a) > seq_len]
         if too_long:
@@ -121,30 +114,51 @@ class RingDataCollator:
                 f"example {too_long[0]} has {len(ids[too_long[0]])} tokens, more than the packed row length "
                 f"max_length={seq_len}: truncate or split long documents first"
             )
-        rows = first_fit_decreasing([len(a) for a in ids], seq_len)
-        # Any order inside a row is exact; pick one that evens out the zigzag ranks' work.
-        rows = [[m[i] for i in balanced_order([len(ids[j]) for j in m], seq_len, self.cp_size)] for m in rows]
-        self.last_rows = rows
+        lengths = [len(a) for a in ids]
+        self.last_rows = pack_rows(lengths, seq_len, self.cp_size)
+        self.last_padding_fraction = padding_fraction(lengths, self.last_rows, seq_len)
+        rows = [[(ids[i], labels[i]) for i in members] for members in self.last_rows]
+        return self._rows(rows, seq_len, padding_restarts=True)
+
+    def _rows(self, rows: list[list[tuple[list[int], list[int]]]], seq_len: int, padding_restarts: bool):
+        """The batch of ``rows``, each a list of documents ``(ids, labels)``: positions restart at 0
+        per document (transformers' padding-free convention), labels are shifted *within* each
+        document (its last token has no target), and the padding after them is one more document
+        without targets (``padding_restarts``) or continues the row's only one."""
         shape = (len(rows), seq_len)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
         shift_labels = torch.full(shape, self.ignore_index, dtype=torch.long)
         position_ids = torch.empty(shape, dtype=torch.long)
-        for r, members in enumerate(rows):
-            at = 0
-            for i in members:
-                n = len(ids[i])
-                input_ids[r, at : at + n] = torch.tensor(ids[i], dtype=torch.long)
-                shift_labels[r, at : at + n - 1] = torch.tensor(labels[i][1:], dtype=torch.long)
+        cu_seqlens = []
+        for r, documents in enumerate(rows):
+            at, offsets = 0, [0]
+            for doc_ids, doc_labels in documents:
+                n = len(doc_ids)
+                input_ids[r, at : at + n] = torch.tensor(doc_ids, dtype=torch.long)
+                shift_labels[r, at : at + max(n - 1, 0)] = torch.tensor(doc_labels[1:], dtype=torch.long)
                 position_ids[r, at : at + n] = torch.arange(n)
                 at += n
-            position_ids[r, at:] = torch.arange(seq_len - at)  # the padding: one target-less document
-        self.last_padding_fraction = 1.0 - sum(map(len, ids)) / (len(rows) * seq_len)
-        return {"input_ids": input_ids, "position_ids": position_ids, "shift_labels": shift_labels}
+                offsets += [at] if n else []
+            if padding_restarts:
+                position_ids[r, at:] = torch.arange(seq_len - at)
+                cu_seqlens.append(offsets if at == seq_len else [*offsets, seq_len])
+            else:
+                position_ids[r, at:] = torch.arange(at, seq_len)
+                cu_seqlens.append([0, seq_len])
+        return {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "shift_labels": shift_labels,
+            "cu_seqlens": cu_seqlens,
+        }
 
-    def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def shard(self, full: dict[str, Any]) -> dict[str, Any]:
         """This rank's zigzag shard ``(batch, seq_len // cp_size)`` of every ``(batch, seq_len)``
-        tensor of :meth:`global_batch`."""
-        return {k: zigzag_shard(v, self.cp_rank, self.cp_size).contiguous() for k, v in full.items()}
+        tensor of :meth:`global_batch`; ``cu_seqlens`` (global offsets) stays as it is."""
+        return {
+            k: zigzag_shard(v, self.cp_rank, self.cp_size).contiguous() if torch.is_tensor(v) else v
+            for k, v in full.items()
+        }
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The model inputs of this CP rank for ``examples`` (see the class docstring)."""
@@ -156,13 +170,14 @@ class RingDataCollator:
             "position_ids": local["position_ids"],
             "labels": local["shift_labels"],
             "shift_labels": local["shift_labels"],
+            "cu_seqlens": local["cu_seqlens"],
             "num_items_in_batch": torch.tensor(max(num_items, 1)),
             "use_cache": False,
         }
 
 
-def _row_document_starts(example: dict[str, Any], length: int, row: int) -> list[int]:
-    """Document starts of a pre-packed row from its ``cu_seqlens`` (and the padding after it)."""
+def _row_document_offsets(example: dict[str, Any], length: int, row: int) -> list[int]:
+    """The document offsets ``[0, ..., length]`` of a pre-packed row (its ``cu_seqlens``)."""
     cu = example.get("cu_seqlens")
     if cu is None:
         raise ValueError(
@@ -172,23 +187,7 @@ def _row_document_starts(example: dict[str, Any], length: int, row: int) -> list
     cu = list(map(int, cu))
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != length or any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"example {row}: cu_seqlens must rise strictly from 0 to {length}, got {cu[:8]}")
-    return cu  # the last offset (the row's end) starts the padding, a target-less document
-
-
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Pack items of ``lengths`` (each <= ``capacity``) into bins of ``capacity``: longest first,
-    each into the first bin with room. Returns the item indices per bin (deterministic)."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        slot = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
-        if slot is None:
-            bins.append([])
-            room.append(capacity)
-            slot = len(bins) - 1
-        bins[slot].append(i)
-        room[slot] -= lengths[i]
-    return bins
+    return cu
 
 
 def pad_and_shard(

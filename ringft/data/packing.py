@@ -23,6 +23,7 @@ import datasets
 import numpy as np
 
 from ringft.data.corpus import SUPPORTED_EXTENSIONS, AnyDataset, check_source, check_text_column, load_corpus
+from ringft.data.packer import pack_rows, padding_fraction
 
 __all__ = [
     "PackSummary",
@@ -326,18 +327,15 @@ def pack_examples(
     that ``data.document_masking: true`` trains on (nothing attends or predicts across examples).
 
     ``examples``: columns ``input_ids`` and optionally ``labels`` (e.g. SFT conversations with the
-    prompt set to ``ignore_index``; default: the ids). Best-fit decreasing: each example, longest
-    first, goes into the fullest row it fits; no example is cut or padded on its own. With
-    ``cp_size > 1`` the examples of each row are ordered to even out the zigzag ranks' attention work
-    (:func:`ringft.ops.documents.balanced_order`, a few ms of host time per row; any order is exact).
+    prompt set to ``ignore_index``; default: the ids). Rows come from :func:`ringft.data.packer.pack_rows`
+    (best-fit decreasing: each example, longest first, goes into the fullest row it fits; no example
+    is cut or padded on its own). With ``cp_size > 1`` the examples of each row are ordered to even
+    out the zigzag ranks' attention work (:func:`ringft.data.packer.balanced_order`, a few ms of
+    host time per row; any order is exact).
     Returns the packed dataset (``input_ids``, ``labels``, ``cu_seqlens`` ``[0, ..., row length]``)
     and its padding fraction at ``seq_len``. Raises ``ValueError`` for an example longer than
     ``seq_len``.
     """
-    import bisect
-
-    from ringft.ops.documents import balanced_order
-
     ids = examples["input_ids"]
     labels = examples["labels"] if "labels" in examples.column_names else ids
     lengths = [len(x) for x in ids]
@@ -347,26 +345,14 @@ def pack_examples(
             f"{len(too_long)} examples are longer than seq_len={seq_len} (first: example {too_long[0]}, "
             f"{lengths[too_long[0]]} tokens): truncate or split them first, or raise seq_len"
         )
-    rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, row), sorted
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        at = bisect.bisect_left(free, (lengths[i], -1))
-        if at == len(free):
-            rows.append([])
-            room, row = seq_len, len(rows) - 1
-        else:
-            room, row = free.pop(at)
-        rows[row].append(i)
-        bisect.insort(free, (room - lengths[i], row))
+    rows = pack_rows(lengths, seq_len, cp_size)
     out: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "cu_seqlens": []}
     for members in rows:
-        if cp_size > 1:
-            members = [members[j] for j in balanced_order([lengths[i] for i in members], seq_len, cp_size)]
         cu = [0]
         for i in members:
             cu.append(cu[-1] + lengths[i])
         out["input_ids"].append([t for i in members for t in ids[i]])
         out["labels"].append([t for i in members for t in labels[i]])
         out["cu_seqlens"].append(cu)
-    padding = 1.0 - sum(lengths) / (len(rows) * seq_len) if rows else 0.0
+    padding = padding_fraction(lengths, rows, seq_len)
     return datasets.Dataset.from_dict(out), padding

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ringft.model.rope import has_rope_scaling
+from ringft.ops.values import BadValue, as_integer, bad_value
 
-class EvalInputError(ValueError):
-    """A bad ``eval-lines`` input; the message names the value and the fix."""
+
+class EvalInputError(BadValue):
+    """A bad ``eval-lines`` input; the message names the value and the fix (exit code 2)."""
+
+    exit_code = 2
 
 
 def parse_length(text: str) -> int:
@@ -18,23 +23,27 @@ def parse_length(text: str) -> int:
     return int(text[:-1] if scale > 1 else text) * scale
 
 
+def _flag_error(flag: str, text: str, fix: str) -> EvalInputError:
+    return EvalInputError(bad_value(flag, text, "", fix))
+
+
 def parse_lengths(text: str) -> list[int]:
     """Comma-separated prompt lengths in tokens (``k`` suffix = x1024), each positive, no repeats."""
     items = [t for t in text.split(",") if t.strip()]
     if not items:
-        raise EvalInputError(f"--lengths {text!r}: give at least one prompt length in tokens, e.g. 4096,8k")
+        raise _flag_error("--lengths", text, "give at least one prompt length in tokens, e.g. 4096,8k")
     lengths = []
     for item in items:
         try:
             length = parse_length(item)
         except ValueError:
-            raise EvalInputError(
-                f"--lengths {text}: {item.strip()!r} is not a whole number of tokens"
+            raise _flag_error(
+                "--lengths", text, f"{item.strip()!r} is not a whole number of tokens"
             ) from None
         if length < 1:
-            raise EvalInputError(f"--lengths {text}: {length} is not a positive number of tokens")
+            raise _flag_error("--lengths", text, f"{length} is not a positive number of tokens")
         if length in lengths:
-            raise EvalInputError(f"--lengths {text}: {length} is given twice")
+            raise _flag_error("--lengths", text, f"{length} is given twice")
         lengths.append(length)
     return lengths
 
@@ -43,27 +52,26 @@ def parse_depths(text: str) -> list[float]:
     """Comma-separated relative depths of the asked line, each in [0, 1], no repeats."""
     items = [t for t in text.split(",") if t.strip()]
     if not items:
-        raise EvalInputError(f"--depths {text!r}: give at least one depth in [0, 1], e.g. 0,0.5,1")
+        raise _flag_error("--depths", text, "give at least one depth in [0, 1], e.g. 0,0.5,1")
     depths = []
     for item in items:
         try:
             depth = float(item)
         except ValueError:
-            raise EvalInputError(f"--depths {text}: {item.strip()!r} is not a number") from None
+            raise _flag_error("--depths", text, f"{item.strip()!r} is not a number") from None
         if not 0.0 <= depth <= 1.0:  # also refuses nan
-            raise EvalInputError(
-                f"--depths {text}: {item.strip()} is outside [0, 1] (0 = first line, 1 = last line)"
+            raise _flag_error(
+                "--depths", text, f"{item.strip()} is outside [0, 1] (0 = first line, 1 = last line)"
             )
         if depth in depths:
-            raise EvalInputError(f"--depths {text}: {depth:g} is given twice")
+            raise _flag_error("--depths", text, f"{depth:g} is given twice")
         depths.append(depth)
     return depths
 
 
 def check_positive(flag: str, value: int, what: str) -> None:
     """Refuse a count below 1: ``--cases 0``, ``--max-new-tokens 0``."""
-    if value < 1:
-        raise EvalInputError(f"{flag} {value}: give at least 1 {what}")
+    as_integer(flag, value, 1, fix=f"give at least 1 {what}", error=EvalInputError)
 
 
 def check_vocabulary(tokenizer: Any, config: Any, flag: str = "--model") -> None:
@@ -75,14 +83,6 @@ def check_vocabulary(tokenizer: Any, config: Any, flag: str = "--model") -> None
             f"the tokenizer has {size} tokens but {whose} embedding has {rows} rows (ids >= "
             f"{rows} would read past it): use the model's own tokenizer (--tokenizer)"
         )
-
-
-def has_rope_scaling(config: Any) -> bool:
-    """Whether the config asks for any RoPE scaling (rope_type other than "default")."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and isinstance(params.get("rope_type"), str):
-        return params["rope_type"] != "default"
-    return bool(getattr(config, "rope_scaling", None))
 
 
 def position_warning(config: Any, longest_prompt: int, max_new_tokens: int) -> str | None:

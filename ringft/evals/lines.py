@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,14 +29,7 @@ from ringft.evals.prepare import DEFAULT_CASES, DEFAULT_DEPTHS, DEFAULT_LENGTHS,
 from ringft.evals.store import ResultsWriteError, case_key, write_error
 from ringft.evals.summary import summarize
 from ringft.ops import BACKENDS
-
-
-class PeerFailed(Exception):
-    """Another rank failed (it reports its own error); this rank stops quietly with ``exit_code``."""
-
-    def __init__(self, exit_code: int) -> None:
-        super().__init__(f"another rank failed (exit code {exit_code})")
-        self.exit_code = exit_code
+from ringft.ops.validate import PeerFailed, run_together
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -131,38 +125,6 @@ def evaluate_case(
     }
 
 
-def agree(failure: BaseException | None) -> None:
-    """Collective over the whole world, called by every rank at the same point of the normal path:
-    each says whether it failed. If any did, the lowest failing rank raises its own error and every
-    other rank raises :class:`PeerFailed`, so all ranks stop together and the error is named once."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        if failure is not None:
-            raise failure
-        return
-    nccl = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    failed = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)  # exit codes, 0 = ok
-    if failure is not None:
-        failed[dist.get_rank()] = 2 if isinstance(failure, EvalInputError) else 1
-    dist.all_reduce(failed)
-    if failed.any():
-        first = int(failed.nonzero()[0, 0])
-        if failure is not None and first == dist.get_rank():
-            raise failure
-        raise PeerFailed(int(failed[first]))
-
-
-def _attempt(action) -> BaseException | None:
-    """Run ``action()``; return the exception it raised, for :func:`agree` to re-raise."""
-    try:
-        action()
-    except Exception as exc:  # noqa: BLE001 - handed to agree(), which re-raises it on this rank
-        return exc
-    return None
-
-
 def _write_cases(plan: EvalPlan) -> None:
     plan.store.prepare()
     path = plan.store.folder / "cases.jsonl"
@@ -210,9 +172,8 @@ def run_eval(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     state = PartialState(cpu=not torch.cuda.is_available())
     cp = args.cp or state.num_processes
-    plans: list[EvalPlan] = []
 
-    def check() -> None:
+    def check() -> EvalPlan:
         if args.cp is not None:
             check_positive("--cp", args.cp, "process per CP group")
         if args.cp is not None and state.num_processes % args.cp:
@@ -225,49 +186,43 @@ def run_eval(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"--backend flash_attn needs CUDA GPUs, this run is on {state.device.type}: "
                 "use --backend torch (or auto)"
             )
-        plans.append(prepare(args))
+        return prepare(args)
 
-    # Every bad input is found here, before any model loads; agree() then stops every rank, with the
-    # error named once, and also makes every rank finish reading --output before it is written to.
-    agree(_attempt(check))
-    plan = plans[0]
+    # Every bad input is found here, before any model loads; run_together() then stops every rank,
+    # with the error named once, and also makes every rank finish reading --output before it is
+    # written to. Each later step that can fail on one rank is run the same way.
+    plan = run_together(check)
     layout = build_layout(cp, state.device.type)
-    if state.is_main_process:
+    main_process = state.is_main_process
+    if main_process:
         for line in [plan.warning, *plan.notes]:
             if line:
                 print(f"ringft eval-lines: warning: {line}", file=sys.stderr)
-    agree(_attempt(lambda: _write_cases(plan)) if state.is_main_process else None)
+    run_together(lambda: _write_cases(plan), here=main_process)
 
-    model_box: list[torch.nn.Module] = []
     dtype = dtype_from_name(args.dtype, allowed=("bf16", "fp32"))
-    agree(
-        _attempt(lambda: model_box.append(load_eval_model(args.model, dtype, state.device, args.rope_theta)))
-    )
-    model = model_box[0]
+    model = run_together(lambda: load_eval_model(args.model, dtype, state.device, args.rope_theta))
     engine = RingInference(model, layout.cp_group, args.backend)
     stop_ids = stop_token_ids(model, plan.tokenizer)
 
     todo = [c for c in plan.cases if case_key(c) not in plan.done]
     mine = todo[layout.dp_rank :: layout.dp_size]
-    steps = -(-len(todo) // layout.dp_size)  # the same on every rank: agree() runs once per step
+    steps = -(-len(todo) // layout.dp_size)  # the same on every rank: run_together() once per step
     writer = layout.cp_rank == 0
-    hide = args.no_progress or not state.is_main_process
+    hide = args.no_progress or not main_process
     for step in tqdm(range(steps), desc=f"eval-lines dp{layout.dp_rank}", disable=hide, file=sys.stdout):
-        failure = None
+        record = None
         if step < len(mine):
             record = evaluate_case(engine, plan.tokenizer, mine[step], args.max_new_tokens, stop_ids)
-            if writer:
-                failure = _attempt(lambda r=record: plan.store.append(layout.dp_rank, r))
-        agree(failure)
+        run_together(partial(plan.store.append, layout.dp_rank, record), here=writer and record is not None)
     # The main process writes the merged results; a failure there (disk full) stops every rank.
-    results: list[dict[str, Any]] = []
-    agree(_attempt(lambda: results.extend(_finish(plan, args, layout))) if state.is_main_process else None)
-    return results
+    return run_together(lambda: _finish(plan, args, layout), here=main_process) or []
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: 0 on success, 2 on a bad input, 1 on a fault. Either is named once, by the
-    lowest rank that met it; the other ranks stop with it, without waiting (see :func:`agree`)."""
+    lowest rank that met it; the other ranks stop with it, without waiting (see
+    :func:`ringft.ops.validate.fail_together`)."""
     args = parse_args(argv)
     try:
         run_eval(args)

@@ -5,7 +5,6 @@ input raises :class:`EvalInputError` (one line naming the value and the fix) on 
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from ringft.evals.checks import (
 )
 from ringft.evals.model import check_model_path, load_config, weights_identity
 from ringft.evals.store import ResultsError, ResultsStore, tokenizer_identity
+from ringft.ops.values import as_number
 
 DEFAULT_LENGTHS = "4096,8192"
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -116,8 +116,8 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     """Check every input and read what the run needs, in the order a user would fix them; nothing
     is written and no model weights are read. EvalInputError on the first bad input."""
     check_positive("--max-new-tokens", args.max_new_tokens, "new token")
-    if args.rope_theta is not None and not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
-        raise EvalInputError(f"--rope-theta {args.rope_theta:g}: give a positive RoPE base, e.g. 1e6")
+    fix = "give a positive RoPE base, e.g. 1e6"
+    as_number("--rope-theta", args.rope_theta, gt=0, optional=True, fix=fix, error=EvalInputError)
     if args.cp is not None:
         check_positive("--cp", args.cp, "process per CP group")
     check_model_path(args.model)

@@ -17,10 +17,10 @@ __all__ = ["CausalLMLoss"]
 class CausalLMLoss(nn.Module):
     """Wraps a causal LM (a transformers ``*ForCausalLM``, peft-wrapped or not).
 
-    ``forward(input_ids, position_ids, shift_labels, num_items_in_batch)`` takes the collator's
-    ``(batch, seq_local)`` tensors and the step's denominator (see
-    :func:`ringft.loss.loss_normalization`) and returns the fp32 scalar ``sum of this rank's token
-    losses / num_items_in_batch``.
+    ``forward(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens=None)`` takes
+    the collator's ``(batch, seq_local)`` tensors (and its per-row global document offsets) and the
+    step's denominator (see :func:`ringft.loss.loss_normalization`) and returns the fp32 scalar
+    ``sum of this rank's token losses / num_items_in_batch``.
 
     Args:
         model: the causal LM.
@@ -48,9 +48,11 @@ class CausalLMLoss(nn.Module):
         position_ids: Tensor,
         shift_labels: Tensor,
         num_items_in_batch: Tensor | int,
+        cu_seqlens: list[list[int]] | None = None,
         **_: Any,
     ) -> Tensor:
         """This rank's loss share for ``(batch, seq_local)`` inputs (fp32 scalar)."""
+        documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
         # (wrapping the loss too would copy the lm_head weight to CPU every step).
         offload = (
@@ -61,7 +63,7 @@ class CausalLMLoss(nn.Module):
         if self.chunked:
             with offload:
                 hidden = decoder(self.model)(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, **documents
                 ).last_hidden_state
             return lm_loss_from_hidden(
                 self.model, hidden, shift_labels, num_items_in_batch, chunk_size=self.chunk_size
@@ -74,5 +76,6 @@ class CausalLMLoss(nn.Module):
                 shift_labels=shift_labels,
                 num_items_in_batch=num_items_in_batch,
                 use_cache=False,
+                **documents,
             )
         return out.loss

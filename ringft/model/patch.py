@@ -10,11 +10,13 @@ flash-attention forward, done through the route transformers offers instead of r
 
 No mask function is registered, so transformers hands the attention ``attention_mask=None``. A
 forward pre-hook on the decoder therefore checks each forward's inputs once, on every CP rank
-together (one small all_gather): it refuses padding masks (they would otherwise be dropped),
-insists on the global position ids that RoPE needs, refuses RoPE types that are not exact under
-zigzag sharding, and checks that every rank got the same shapes. The per-layer attention calls
-then skip that collective. Keyword arguments of the decoder reach the attention function, which is
-how :mod:`ringft.model.inference` hands it its KV cache (``ring_cache=``).
+together (one small all_gather; :mod:`ringft.model.inputs`): it refuses padding masks (they would
+otherwise be dropped), insists on the global position ids that RoPE needs, refuses RoPE types that
+are not exact under zigzag sharding, checks that every rank got the same shapes and document
+offsets, and turns the offsets (the batch's ``cu_seqlens``, or transformers' ``cu_seq_lens_q/k``)
+into this rank's document plan. The per-layer attention calls then skip that collective. Keyword
+arguments of the decoder reach the attention function, which is how :mod:`ringft.model.inference`
+hands it its KV cache (``ring_cache=``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringft.model.inputs import CHECKED, DOCUMENTS, check_forward_inputs
+from ringft.model.rope import rope_problem
 from ringft.model.unwrap import decoder, pretrained_model
 from ringft.ops import ShardedKVCache, zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
-from ringft.ops.documents import DocumentPlan, cu_seqlens_from_position_ids, document_plan
-from ringft.ops.sharding import zigzag_position_ids, zigzag_unshard
-from ringft.ops.validate import DTYPE_CODES, raise_on_every_rank
 
 __all__ = [
     "ATTENTION_NAME",
@@ -46,8 +47,6 @@ __all__ = [
 ATTENTION_NAME = "zigzag_ring"
 TESTED_MODEL_TYPES = ("llama", "mistral")
 MIN_TRANSFORMERS = (5, 0)
-_CHECKED = "ring_checked"  # decoder kwarg set by the pre-hook: this forward's inputs were validated
-_DOCUMENTS = "ring_documents"  # decoder kwarg set by the pre-hook: this forward's DocumentPlan
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ def ring_attention_forward(
         return out.contiguous(), None
     tokens = ring_cache.length if ring_cache is not None else q.shape[1] * spec.size
     if sliding_window is not None and tokens > sliding_window:
-        padded = "" if ring_cache is not None else f" (padded to a multiple of 2 * cp_size = {2 * spec.size})"
+        padded = "" if ring_cache is not None else " (padded to a multiple of 2 * cp_size)"
         raise ValueError(
             f"the model has sliding_window={sliding_window} but the sequence has {tokens} tokens{padded}: "
             "ring attention computes full causal attention and would silently ignore the window. "
@@ -139,8 +138,8 @@ def ring_attention_forward(
         softmax_scale=scaling,
         group=spec.group,
         backend=spec.backend,
-        validate=not kwargs.get(_CHECKED, False),
-        cu_seqlens=kwargs.get(_DOCUMENTS),
+        validate=not kwargs.get(CHECKED, False),
+        cu_seqlens=kwargs.get(DOCUMENTS),
     )
     if ring_cache is not None:
         ring_cache.store_prefill(module.layer_idx, k, v)
@@ -161,117 +160,9 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def _inexact_rope(config) -> str | None:
-    """The RoPE type of ``config`` if its frequencies depend on the largest position seen, which
-    differs per zigzag rank (transformers' ``dynamic_rope_update``: dynamic NTK, longrope)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    dicts = [params] if ("rope_type" in params or "type" in params) else list(params.values())
-    for entry in dicts:
-        if isinstance(entry, dict):
-            kind = str(entry.get("rope_type", entry.get("type", "default")))
-            if "dynamic" in kind or kind == "longrope":
-                return kind
-    return None
-
-
-def _rope_problem(config, size: int) -> str | None:
-    kind = _inexact_rope(config)
-    if kind is None or size == 1:
-        return None
-    return (
-        f"rope_type={kind!r} recomputes RoPE frequencies from the largest position each rank holds, "
-        f"which differs between zigzag ranks (cp_size={size}), so the result would not be exact: use "
-        "rope_type 'default', 'linear', 'yarn' or 'llama3' (a fixed scaling), or cp_size 1"
-    )
-
-
-def _plain_positions(positions: torch.Tensor, spec: RingSpec) -> bool:
-    """Whether ``positions`` ``(batch or 1, seq_local)`` are this rank's plain zigzag positions
-    ``0..S-1`` (one document per row), i.e. nothing to mask beyond causality."""
-    seq = positions.shape[1] * spec.size
-    expected = zigzag_position_ids(seq, spec.rank, spec.size, device=positions.device)
-    return bool((positions == expected).all())
-
-
-def _document_plan(positions: torch.Tensor | None, batch: int, spec: RingSpec) -> DocumentPlan:
-    """This rank's :class:`DocumentPlan` from every rank's ``positions`` (documents start where the
-    global position id is 0, transformers' padding-free convention): one all_gather of the
-    ``(batch, seq_local)`` position ids and a host copy, once per forward."""
-    if spec.size > 1:
-        if positions is None:  # another rank's positions are packed; ours are missing
-            raise ValueError("ring attention: position_ids are needed on every CP rank")
-        pieces = [torch.empty_like(positions.contiguous()) for _ in range(spec.size)]
-        dist.all_gather(pieces, positions.contiguous(), group=spec.group)
-        positions = zigzag_unshard(pieces)
-    cu_seqlens = cu_seqlens_from_position_ids(positions)
-    return document_plan(cu_seqlens, positions.shape[1], spec.rank, spec.size, batch=batch)
-
-
-def _shape_problems(ids, positions) -> tuple[int, int, list[str]]:
-    """``(batch, seq_local, problems)`` of one forward's local ``input_ids`` and ``position_ids``."""
-    batch, seq_local = (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (-1, -1)
-    problems = []
-    if seq_local > 0 and seq_local % 2:
-        problems.append(
-            f"seq_local ({seq_local}) must be even (two zigzag chunks per rank): pad the global "
-            "sequence to a multiple of 2 * cp_size (RingDataCollator does this)"
-        )
-    if positions is not None and not (
-        positions.dim() == 2 and positions.shape[1] == seq_local and positions.shape[0] in (1, batch)
-    ):
-        problems.append(
-            f"position_ids must be (batch, seq_local) = ({batch}, {seq_local}), got {tuple(positions.shape)}"
-        )
-    return batch, seq_local, problems
-
-
 def _input_check_hook(spec: RingSpec, config):
     def hook(module, args, kwargs):
-        cache: ShardedKVCache | None = kwargs.get("ring_cache")
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ids = kwargs.get("inputs_embeds") if ids is None else ids
-        positions = kwargs.get("position_ids")
-        problems = []
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
-            problems.append(
-                "zigzag ring attention does not support padding attention masks (the mask would be "
-                "dropped): right-pad with RingDataCollator and drop attention_mask from the batch"
-            )
-        kwargs["attention_mask"] = None  # an all-ones 2-D mask means "no padding"
-        if (spec.size > 1 or cache is not None) and positions is None:
-            problems.append(
-                "ring attention over a CP group needs the global position ids of the local tokens "
-                "(RoPE): pass position_ids from RingDataCollator or zigzag_position_ids(...)"
-            )
-        problems += [p for p in [_rope_problem(config, spec.size)] if p]
-        if kwargs.get("use_cache") is None:
-            kwargs["use_cache"] = False
-        if cache is not None and cache.is_prefilled:  # replicated one-token decode steps (RingInference)
-            if problems:
-                raise ValueError("; ".join(problems))
-            return args, kwargs
-        batch, seq_local, shape_problems = _shape_problems(ids, positions)
-        problems += shape_problems
-        # Whether this rank's rows are single documents (one host sync); exchanged with the checks.
-        plain = bool(problems) or positions is None or _plain_positions(positions, spec)
-        param = next(module.parameters(), None)
-        extras = raise_on_every_rank(
-            "ring attention",
-            problems,
-            (batch, seq_local, DTYPE_CODES.get(param.dtype, 0) if param is not None else 0),
-            "(batch, seq_local, param dtype)",
-            "all CP ranks must pass the same batch and seq_local (S / cp_size) and hold the same "
-            "model dtype. Shard every sequence with RingDataCollator",
-            group=spec.group,
-            rank=spec.rank,
-            size=spec.size,
-            device=ids.device if ids is not None else torch.device("cpu"),  # inputs sit where compute does
-            extra=(int(plain),),
-        )
-        if not all(flag for (flag,) in extras):  # packed documents: one more all_gather
-            kwargs[_DOCUMENTS] = _document_plan(positions, batch, spec)
-        kwargs[_CHECKED] = True
+        check_forward_inputs(spec, config, module, args, kwargs)
         return args, kwargs
 
     return hook
@@ -315,7 +206,7 @@ def apply_ring_attention(
             "one-process run"
         )
     rank, size = group_rank_and_size(cp_group)
-    rope = _rope_problem(config, size)
+    rope = rope_problem(config, size)
     if rope:
         raise ValueError(rope)
     _register()

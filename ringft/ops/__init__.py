@@ -3,9 +3,12 @@
 Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp merge), ``backends``
 (block backend interface and choice; backends in ``reference``, ``torch_backend``,
 ``flash_backend``), ``comm`` (ring exchange), ``zigzag_blocks`` + ``zigzag`` (the operator),
-``validate`` (errors on every rank), ``decode`` (sharded KV cache for inference), ``sharding``
-(the zigzag layout: shard / unshard / global positions), ``emulate`` (the ring's schedule in one
-process), ``parallel`` (the DP x CP process layout), ``spawn`` (N gloo processes with a timeout).
+``validate`` (every rank fails together: one exchange of facts, then the checks), ``values``
+(typed value checks with one error style, for every user-facing setting), ``decode`` (sharded KV
+cache for inference), ``sharding`` (the zigzag layout: shard / unshard / global positions, the
+sequence-length rule), ``documents`` (packed documents on the ring), ``emulate`` (the ring's
+schedule in one process), ``parallel`` (the DP x CP process layout), ``spawn`` (N gloo processes
+with a timeout).
 """
 
 from ringft.ops.backends import BACKENDS, default_softmax_scale, get_backend

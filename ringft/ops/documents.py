@@ -20,18 +20,18 @@ fully masked row ever reaches a kernel. One document per row gives exactly the u
 from __future__ import annotations
 
 import bisect
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ringft.ops.sharding import zigzag_chunk_ids, zigzag_length_problem
 
 Tensor = torch.Tensor
 
 __all__ = [
     "DocumentPlan",
     "RowPlan",
-    "balanced_order",
     "check_cu_seqlens",
     "cu_seqlens_from_position_ids",
     "document_plan",
@@ -111,8 +111,8 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> list[list[int]]:
 
 
 def _row_plan(cu: Sequence[int], seq_len: int, rank: int, cp_size: int) -> RowPlan:
+    a, b = zigzag_chunk_ids(rank, cp_size)
     c = seq_len // (2 * cp_size)
-    a, b = rank, 2 * cp_size - 1 - rank
 
     def local(g: int) -> int:
         """Local index of global position ``g`` (in chunk a or b), or of the end of chunk a/b."""
@@ -140,7 +140,7 @@ def _row_plan(cu: Sequence[int], seq_len: int, rank: int, cp_size: int) -> RowPl
         else:  # local chunk b x chunks j and 2N-1-j (kv local [0, 2c), increasing global)
             start, end = containing(b * c)
             q_end = c + min(end, (b + 1) * c) - b * c
-            j2 = 2 * cp_size - 1 - j
+            j2 = zigzag_chunk_ids(j, cp_size)[1]
             if start < (j + 1) * c:
                 blocks.append((c, q_end, max(start, j * c) - j * c, 2 * c))
             elif start < (j2 + 1) * c:
@@ -161,8 +161,7 @@ def document_plan(
     rows = [list(map(int, r)) for r in cu_seqlens]
     batch = len(rows) if batch is None else batch
     problems = check_cu_seqlens(rows, seq_len, batch)
-    if seq_len % (2 * cp_size):
-        problems.append(f"sequence length {seq_len} is not a multiple of 2 * cp_size = {2 * cp_size}")
+    problems += [p for p in [zigzag_length_problem(seq_len, cp_size)] if p]
     if problems:
         raise ValueError("; ".join(problems))
     plans = {}
@@ -184,37 +183,3 @@ def rank_pairs(lengths: Sequence[int], seq_len: int, cp_size: int) -> list[int]:
     if cu[-1] < seq_len:
         cu.append(seq_len)
     return [document_plan([cu], seq_len, r, cp_size).attention_pairs() for r in range(cp_size)]
-
-
-def balanced_order(
-    lengths: Sequence[int], seq_len: int, cp_size: int, tries: int = 48, seed: int = 0
-) -> list[int]:
-    """An order of the documents ``lengths`` (indices) that evens out the zigzag ranks' work.
-
-    Zigzag balances one causal sequence; packed documents break that (a rank whose chunks hold one
-    long document does far more than a rank holding many short ones). Any order is exact, so
-    this tries the given order, seeded shuffles, then swaps among the longest documents, and keeps
-    the order with the smallest busiest-rank pair count. Deterministic; host integers only.
-    """
-    order = list(range(len(lengths)))
-    if cp_size == 1 or len(order) < 2:
-        return order
-    cost = lambda o: max(rank_pairs([lengths[i] for i in o], seq_len, cp_size))  # noqa: E731
-    rng = random.Random(seed)
-    best, best_cost = order, cost(order)
-    for _ in range(tries):
-        candidate = rng.sample(order, len(order))
-        c = cost(candidate)
-        if c < best_cost:
-            best, best_cost = candidate, c
-    longest = sorted(order, key=lambda i: -lengths[i])[:10]
-    where = {i: best.index(i) for i in longest}
-    for a_i, a in enumerate(longest):
-        for b in longest[a_i + 1 :]:
-            candidate = list(best)
-            candidate[where[a]], candidate[where[b]] = b, a
-            c = cost(candidate)
-            if c < best_cost:
-                best, best_cost = candidate, c
-                where[a], where[b] = where[b], where[a]
-    return best

@@ -14,7 +14,6 @@ accumulators, merges) never runs under autocast.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +23,8 @@ from ringft.ops.backends import BACKENDS, BlockAttention, default_softmax_scale,
 from ringft.ops.comm import RingExchange, group_rank_and_size
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
-from ringft.ops.validate import DTYPE_CODES, raise_on_every_rank
+from ringft.ops.sharding import local_length_problem
+from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 from ringft.ops.zigzag_blocks import backward_block, forward_block
 
 Tensor = torch.Tensor
@@ -32,9 +32,10 @@ Tensor = torch.Tensor
 __all__ = ["local_input_problems", "validate_inputs", "zigzag_ring_attention"]
 
 
-def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str) -> list[str]:
+def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str, cp_size: int = 1) -> list[str]:
     """What is wrong with this rank's q ``(B, S_local, Hq, D)`` and k/v ``(B, S_local, Hkv, D)``
-    on their own (no communication, no host sync): one message per problem, each naming the fix."""
+    (one of ``cp_size`` ranks) on their own (no communication, no host sync): one message per
+    problem, each naming the fix."""
     problems = []
     if backend not in BACKENDS:
         return [f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}"]
@@ -62,11 +63,9 @@ def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str) -> list[
         problems.append("q, k and v must be on the same device")
     if q.dtype not in DTYPE_CODES:
         problems.append(f"unsupported dtype {q.dtype}: use fp32, bf16, fp16 or fp64")
-    if sq % 2 != 0:
-        problems.append(
-            f"seq_local ({sq}) must be even (two zigzag chunks per rank): pad the global sequence to a "
-            "multiple of 2 * cp_size (RingDataCollator does this)"
-        )
+    length = local_length_problem(sq, cp_size)
+    if length:
+        problems.append(length)
     if not problems:
         reason = get_backend(backend, q.device, q.dtype).check(q)
         if reason:
@@ -89,10 +88,10 @@ def _document_problems(q: Tensor, cu_seqlens, causal: bool, rank: int, size: int
     return check_cu_seqlens(cu_seqlens, q.shape[1] * size, q.shape[0])
 
 
-def _checksum(cu_seqlens) -> int:
+def _offsets_checksum(cu_seqlens) -> int:
     if cu_seqlens is None or isinstance(cu_seqlens, DocumentPlan):
         return 0
-    return zlib.crc32(repr([list(map(int, row)) for row in cu_seqlens]).encode())
+    return checksum([list(map(int, row)) for row in cu_seqlens])
 
 
 def validate_inputs(
@@ -113,20 +112,19 @@ def validate_inputs(
     one small all_gather before any ring traffic, so a bad input on one rank never leaves the
     others waiting in a send/recv.
     """
-    problems = local_input_problems(q, k, v, backend) + _document_problems(q, cu_seqlens, causal, rank, size)
+    problems = local_input_problems(q, k, v, backend, size)
+    problems += _document_problems(q, cu_seqlens, causal, rank, size)
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
-    raise_on_every_rank(
-        "zigzag_ring_attention",
-        problems,
-        (*shape, DTYPE_CODES.get(q.dtype, 0), _checksum(cu_seqlens)),
+    facts = (*shape, DTYPE_CODES.get(q.dtype, 0), _offsets_checksum(cu_seqlens))
+    rows = exchange_facts((int(bool(problems)),), facts, group=group, device=q.device)
+    where = "zigzag_ring_attention"
+    raise_problems(where, problems, [bool(bad) for (bad,), _ in rows], rank)
+    raise_if_facts_differ(
+        where,
+        [theirs for _, theirs in rows],
         "(batch, seq_local, heads, dim, kv_heads, dtype, cu_seqlens checksum)",
         "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim, dtype and "
-        "cu_seqlens. "
-        "Shard every sequence with zigzag_shard / RingDataCollator",
-        group=group,
-        rank=rank,
-        size=size,
-        device=q.device,
+        "cu_seqlens. Shard every sequence with zigzag_shard / RingDataCollator",
     )
 
 
@@ -266,7 +264,7 @@ def zigzag_ring_attention(
     if validate:
         validate_inputs(q, k, v, backend, group, rank, size, cu_seqlens=cu_seqlens, causal=causal)
     else:
-        problems = local_input_problems(q, k, v, backend) + _document_problems(
+        problems = local_input_problems(q, k, v, backend, size) + _document_problems(
             q, cu_seqlens, causal, rank, size
         )
         if problems:

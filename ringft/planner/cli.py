@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import shlex
+from functools import partial
 from typing import Any
 
+from ringft.ops import values
+from ringft.ops.sharding import zigzag_length_problem, zigzag_padded_length
 from ringft.planner.report import format_layouts, format_plan
 from ringft.planner.search import Fix, fixes_that_fit, max_seq_len_that_fits, plan_layouts, recommend
 from ringft.planner.setup import ATTN_BACKENDS, GIB, PLANNED_DTYPES, divisors
@@ -76,41 +78,39 @@ def _parser() -> argparse.ArgumentParser:
 
 def _argument_problems(args: argparse.Namespace) -> list[str]:
     """One message per bad numeric argument, naming its value and the fix."""
-    out = []
-    if args.seq_len < 2:
-        out.append(f"--seq-len {args.seq_len}: give the global sequence length in tokens, >= 2 (e.g. 65536)")
-    if args.gpus < 1:
-        out.append(f"--gpus {args.gpus}: give the number of GPUs of the job, >= 1 (e.g. 8)")
-    if not math.isfinite(args.gpu_mem) or args.gpu_mem <= 0:
-        out.append(f"--gpu-mem {args.gpu_mem:g}: give the memory of one GPU in GiB, > 0 (e.g. 79.6)")
-    for flag, value in (
+    counts = [
         ("--micro-batch-size", args.micro_batch_size),
         ("--lora-rank", args.lora_rank),
         ("--loss-chunk-size", args.loss_chunk_size),
         ("--tiled-mlp-tokens", args.tiled_mlp_tokens),
-    ):
-        if value is not None and value < 1:
-            out.append(f"{flag} {value}: must be >= 1")
-    if not math.isfinite(args.overhead_gib) or args.overhead_gib < 0:
-        out.append(f"--overhead-gib {args.overhead_gib:g}: must be >= 0 GiB")
+    ]
+    out = values.problems(
+        partial(values.as_integer, "--seq-len", args.seq_len, 2, fix=SEQ_LEN_FIX),
+        partial(values.as_integer, "--gpus", args.gpus, 1, fix=GPUS_FIX),
+        partial(values.as_number, "--gpu-mem", args.gpu_mem, gt=0, fix=GPU_MEM_FIX),
+        *(partial(values.as_integer, flag, value, 1) for flag, value in counts if value is not None),
+        partial(values.as_number, "--overhead-gib", args.overhead_gib, 0, fix="must be >= 0 GiB"),
+    )
     for cp in args.cp or []:
         if cp < 1:
-            out.append(f"--cp {cp}: must be >= 1")
+            out += values.problems(partial(values.as_integer, "--cp", cp, 1))
         elif args.gpus >= 1 and args.gpus % cp:
             out.append(f"--cp {cp} does not divide --gpus {args.gpus}: use one of {divisors(args.gpus)}")
-        elif args.seq_len >= 2 and args.seq_len % (2 * cp):
-            out.append(
-                f"--seq-len {args.seq_len} is not a multiple of 2 x --cp {cp}: "
-                f"round it to a multiple of {2 * cp}"
-            )
-    if not out and not args.cp and not any(args.seq_len % (2 * c) == 0 for c in divisors(args.gpus)):
-        unit = 2 * args.gpus
-        rounded = -(-args.seq_len // unit) * unit
+        elif args.seq_len >= 2:
+            length = zigzag_length_problem(args.seq_len, cp, f"--seq-len {args.seq_len} (--cp {cp})")
+            out += [length] if length else []
+    if not out and not args.cp and all(zigzag_length_problem(args.seq_len, c) for c in divisors(args.gpus)):
         out.append(
             f"--seq-len {args.seq_len} is not a multiple of 2 x cp for any CP size dividing --gpus "
-            f"{args.gpus} (zigzag cuts a sequence into 2 x cp chunks): use e.g. {rounded}"
+            f"{args.gpus} (zigzag cuts a sequence into 2 x cp chunks): use e.g. "
+            f"{zigzag_padded_length(args.seq_len, args.gpus)}"
         )
     return out
+
+
+SEQ_LEN_FIX = "give the global sequence length in tokens, >= 2 (e.g. 65536)"
+GPUS_FIX = "give the number of GPUs of the job, >= 1 (e.g. 8)"
+GPU_MEM_FIX = "give the memory of one GPU in GiB, > 0 (e.g. 79.6)"
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ringft.ops.sharding import zigzag_length_problem, zigzag_padded_length
 from ringft.planner.plan import build_plan, setup_options
 from ringft.planner.setup import MemoryPlan, TrainingSetup, divisors
 from ringft.planner.shapes import load_model_shape
@@ -45,7 +46,7 @@ def plan_layouts(
         combos.sort(key=lambda c: sum(c.values()))
     plans = []
     for cp in cp_sizes or divisors(num_gpus):
-        if num_gpus % cp or seq_len % (2 * cp):
+        if num_gpus % cp or zigzag_length_problem(seq_len, cp):
             continue
         for combo in combos:
             setup = TrainingSetup(
@@ -95,7 +96,7 @@ def max_seq_len_that_fits(
             max_seq_len_that_fits(shape, num_gpus, gpu_mem_gib, cp_size=c, limit=limit, **opts)
             for c in divisors(num_gpus)
         )
-    unit = 2 * cp_size * 1024
+    unit = zigzag_padded_length(1, cp_size) * 1024  # whole chunk pairs of 512 tokens
 
     def fits(k: int) -> bool:
         setup = TrainingSetup(

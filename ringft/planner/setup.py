@@ -7,11 +7,13 @@ Option names are the recipes' names (``train.micro_batch_size``, ``model.attn_ba
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from ringft.ops import values
 from ringft.ops.dtypes import DTYPES, dtype_from_name
+from ringft.ops.sharding import zigzag_length_problem
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, ModelShape
 
 __all__ = ["GIB", "PLANNED_DTYPES", "ATTN_BACKENDS", "MemoryPlan", "TrainingSetup"]
@@ -19,10 +21,6 @@ __all__ = ["GIB", "PLANNED_DTYPES", "ATTN_BACKENDS", "MemoryPlan", "TrainingSetu
 GIB = 1 << 30
 PLANNED_DTYPES = ("bf16", "fp32")  # bf16 = mixed precision (bf16 compute), fp32 = plain fp32
 ATTN_BACKENDS = ("flash_attn", "torch")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -68,64 +66,43 @@ class TrainingSetup:
 
     def problems(self) -> list[str]:
         """One message per bad value (naming it and the fix); empty when the setup is valid."""
-        out: list[str] = []
-        positive = {
-            "num_gpus": self.num_gpus,
-            "cp_size": self.cp_size,
-            "micro_batch_size": self.micro_batch_size,
-            "loss_chunk_size": self.loss_chunk_size,
-            "lora_rank": self.lora_rank,
-        }
-        for name, value in positive.items():
-            if not _is_int(value) or value < 1:
-                out.append(f"{name} must be an integer >= 1, got {value!r}")
-        if not _is_int(self.seq_len) or self.seq_len < 2:
-            out.append(f"seq_len must be a positive multiple of 2 * cp_size, got {self.seq_len!r}")
+        positive = ("num_gpus", "cp_size", "micro_batch_size", "loss_chunk_size", "lora_rank")
+        out = values.problems(
+            *(partial(values.as_integer, name, getattr(self, name), 1) for name in positive),
+            partial(values.as_integer, "seq_len", self.seq_len, 2),
+        )
         if not out:
             if self.num_gpus % self.cp_size:
                 out.append(
                     f"cp_size {self.cp_size} does not divide num_gpus {self.num_gpus}: use a divisor of "
                     f"{self.num_gpus} ({', '.join(str(d) for d in divisors(self.num_gpus))})"
                 )
-            if self.seq_len % (2 * self.cp_size):
-                out.append(
-                    f"seq_len {self.seq_len} is not a multiple of 2 * cp_size = {2 * self.cp_size} "
-                    "(zigzag splits each sequence into 2 * cp_size equal chunks): round it to a multiple"
-                )
-        if (
-            not isinstance(self.gpu_mem_gib, (int, float))
-            or not math.isfinite(self.gpu_mem_gib)
-            or (self.gpu_mem_gib <= 0)
-        ):
-            out.append(f"gpu_mem_gib must be a number > 0 (GiB per GPU, e.g. 79.6), got {self.gpu_mem_gib!r}")
-        if self.tiled_mlp_tokens is not None and (
-            not _is_int(self.tiled_mlp_tokens) or self.tiled_mlp_tokens < 1
-        ):
-            out.append(f"tiled_mlp_tokens must be an integer >= 1 or None, got {self.tiled_mlp_tokens!r}")
-        if not _is_int(self.zero3_prefetch_layers) or self.zero3_prefetch_layers < 0:
-            out.append(f"zero3_prefetch_layers must be an integer >= 0, got {self.zero3_prefetch_layers!r}")
-        if (
-            not isinstance(self.overhead_gib, (int, float))
-            or not math.isfinite(self.overhead_gib)
-            or (self.overhead_gib < 0)
-        ):
-            out.append(f"overhead_gib must be a number >= 0, got {self.overhead_gib!r}")
+            length = zigzag_length_problem(self.seq_len, self.cp_size, subject=f"seq_len {self.seq_len}")
+            out += [length] if length else []
+        out += values.problems(
+            partial(values.as_number, "gpu_mem_gib", self.gpu_mem_gib, gt=0, fix="GiB per GPU, e.g. 79.6"),
+            partial(values.as_integer, "tiled_mlp_tokens", self.tiled_mlp_tokens, 1, optional=True),
+            partial(values.as_integer, "zero3_prefetch_layers", self.zero3_prefetch_layers, 0),
+            partial(values.as_number, "overhead_gib", self.overhead_gib, 0),
+            partial(
+                values.as_choice,
+                "attn_backend",
+                self.attn_backend,
+                ATTN_BACKENDS,
+                fix="a recipe's 'auto' runs flash_attn on a GPU with flash-attn installed for bf16, "
+                "else torch",
+            ),
+        )
         if self.lora and not self.lora_targets:
             out.append(
                 f"lora_targets is empty: name the modules LoRA adapts, e.g. {','.join(DEFAULT_LORA_TARGETS)}"
-            )
-        if self.attn_backend not in ATTN_BACKENDS:
-            out.append(
-                f"attn_backend must be 'flash_attn' or 'torch', got {self.attn_backend!r} (a recipe's "
-                "'auto' runs flash_attn on a GPU with flash-attn installed for bf16, else torch)"
             )
         try:
             dtype_from_name(self.dtype, PLANNED_DTYPES)
         except ValueError as exc:
             out.append(str(exc))
-        if self.zero_stage not in (0, 1, 2, 3):
-            out.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        elif self.offload_params and self.zero_stage != 3:
+        out += values.problems(partial(values.as_choice, "zero_stage", self.zero_stage, (0, 1, 2, 3)))
+        if self.zero_stage in (0, 1, 2) and self.offload_params:
             out.append(
                 "offload_params needs ZeRO stage 3 (zero_stage=3): parameters are only partitioned there"
             )

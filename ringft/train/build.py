@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringft.model.rope import PRETRAINED_LENGTH_ROPE, rope_problem
 from ringft.ops.dtypes import dtype_from_name
 from ringft.train.errors import RecipeError
-from ringft.train.recipe import POSITION_DEPENDENT_ROPE, Recipe
+from ringft.train.recipe import Recipe
 
 __all__ = [
     "build_model",
@@ -25,9 +26,6 @@ __all__ = [
     "model_config",
     "prepare_for_training",
 ]
-# RoPE types whose frequencies are computed from the pretraining context length: a raised
-# max_position_embeddings must not replace it (transformers defaults it to max_position_embeddings).
-_PRETRAINED_LENGTH_ROPE = ("yarn", "llama3", "longrope")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -83,7 +81,8 @@ def _rope_parameters(config: Any, recipe: Recipe) -> dict[str, Any]:
         rope.update(asked)
     if m.rope_theta is not None:
         rope["rope_theta"] = float(m.rope_theta)
-    if rope.get("rope_type") in _PRETRAINED_LENGTH_ROPE:
+    # transformers would default the pretraining length to the raised max_position_embeddings
+    if rope.get("rope_type") in PRETRAINED_LENGTH_ROPE:
         pretrained = (
             getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
         )
@@ -133,13 +132,9 @@ def _check_config(recipe: Recipe, config: Any, tokenizer_size: int | None) -> No
             f"the tokenizer has {tokenizer_size} tokens but the model's embedding has {vocab} rows: use the "
             "model's own tokenizer (model.tokenizer) or a model with a large enough vocab_size"
         )
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type")
-    if cp > 1 and rope_type in POSITION_DEPENDENT_ROPE:
-        raise RecipeError(
-            f"the model's RoPE type {rope_type!r} is not exact with parallel.cp_size={cp} (its frequencies "
-            "depend on the largest position each rank holds): set model.rope_scaling to yarn, llama3 or "
-            "linear, or use cp_size 1"
-        )
+    rope = rope_problem(config, cp, "the model's RoPE type", "parallel.cp_size")
+    if rope:
+        raise RecipeError(rope)
     window = getattr(config, "sliding_window", None)
     if window is not None and window < seq_len:
         raise RecipeError(

@@ -165,7 +165,7 @@ def run_micro_steps(
 ) -> Tensor:
     """Forward + backward of every micro-step of one optimizer step.
 
-    ``module(input_ids, position_ids, shift_labels, num_items_in_batch)`` returns the loss share
+    ``module(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens)`` returns the loss share
     (:class:`ringft.loss.CausalLMLoss`, possibly wrapped by DDP / FSDP / a DeepSpeed engine);
     ``batches`` hold ``(batch, seq_local)`` tensors; ``norm`` is the step's
     :func:`ringft.loss.loss_normalization`. ``backward(loss)`` runs the backward (DDP / FSDP;
@@ -184,6 +184,7 @@ def run_micro_steps(
                 position_ids=batch["position_ids"],
                 shift_labels=batch["shift_labels"],
                 num_items_in_batch=norm.num_items_in_batch,
+                cu_seqlens=batch.get("cu_seqlens"),
             )
             if kind == DEEPSPEED:
                 module.set_gradient_accumulation_boundary(is_boundary=last)

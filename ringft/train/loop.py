@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ringft.data.collator import RingDataCollator
 from ringft.loss import CausalLMLoss, loss_normalization
 from ringft.ops.parallel import build_layout
+from ringft.ops.validate import PeerFailed, run_together
 from ringft.train import checkpoint as ckpt
 from ringft.train.build import (
     build_model,
@@ -37,7 +38,7 @@ from ringft.train.build import (
     prepare_for_training,
 )
 from ringft.train.data import example_indices, load_training_data
-from ringft.train.errors import RecipeError, TrainError
+from ringft.train.errors import RecipeError
 from ringft.train.integrations import (
     DDP,
     DEEPSPEED,
@@ -102,15 +103,6 @@ def _tracker_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
-
-
-def _same_on_every_rank(message: str | None) -> str | None:
-    """Rank 0's ``message`` on every rank (a broadcast; the plain value without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return message
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class Trainer:
@@ -197,15 +189,16 @@ class Trainer:
         up ``metrics.jsonl``. Nothing is written before every check has passed."""
         acc, out = self.accelerator, Path(self.recipe.checkpoint.output_dir)
         folder, notes = self._choose_checkpoint(out, resume)
-        held = None
-        if acc.is_main_process:
-            try:
-                held = self.lock.acquire()
-            except TrainError as exc:
-                held = str(exc)
-        held = _same_on_every_rank(held)
-        if held:
-            raise RecipeError(held)
+
+        def lock() -> None:
+            held = self.lock.acquire()
+            if held:
+                raise RecipeError(held)
+
+        try:  # the main process locks; every rank stops with its one-line reason
+            run_together(lock, here=acc.is_main_process, share_message=True)
+        except PeerFailed as exc:
+            raise RecipeError(exc.message or str(exc)) from None
         if self.lock.unsupported:
             acc.print(f"warning: {self.lock.unsupported}")
         for line in notes:

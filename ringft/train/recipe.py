@@ -18,7 +18,9 @@ from typing import Any
 
 import yaml
 
+from ringft.model.rope import rope_problem
 from ringft.ops.backends import BACKENDS
+from ringft.ops.sharding import zigzag_length_problem
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list
 
@@ -40,9 +42,6 @@ __all__ = [
 ]
 
 MODEL_TYPES = ("llama", "mistral")
-# RoPE types whose frequencies depend on the largest position a rank sees: under zigzag CP each
-# rank sees other positions, so every rank would rotate with other frequencies (not exact).
-POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 @dataclass
@@ -256,17 +255,14 @@ class Recipe:
 
     def __post_init__(self) -> None:
         d, p = self.data, self.parallel
-        if d.seq_len % (2 * p.cp_size):
-            raise RecipeError(
-                f"data.seq_len={d.seq_len} is not divisible by 2 * cp_size = {2 * p.cp_size}: use a multiple "
-                f"such as {(d.seq_len // (2 * p.cp_size) + 1) * 2 * p.cp_size}"
-            )
-        if p.cp_size > 1 and self.model.rope_type in POSITION_DEPENDENT_ROPE:
-            raise RecipeError(
-                f"model.rope_scaling rope_type {self.model.rope_type!r} is not exact with parallel.cp_size="
-                f"{p.cp_size} (its frequencies depend on the largest position each rank holds): use yarn, "
-                "llama3, linear or a rope_theta raise, or cp_size 1"
-            )
+        length = zigzag_length_problem(d.seq_len, p.cp_size, subject=f"data.seq_len={d.seq_len}")
+        if length:
+            raise RecipeError(length)
+        rope = rope_problem(
+            self.model.rope_scaling, p.cp_size, "model.rope_scaling rope_type", "parallel.cp_size"
+        )
+        if rope:
+            raise RecipeError(rope)
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain data (what YAML holds; ``betas`` as a list)."""

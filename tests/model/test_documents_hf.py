@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
-from ringft.data.collator import first_fit_decreasing
+from ringft.data.packer import pack_rows
 from ringft.ops.spawn import run_distributed
 from tests.model.test_patch import VOCAB, tiny_model
 
@@ -38,7 +38,7 @@ LAYOUTS = {
     "straddle": [19, 13, 9, 5],  # boundaries 19, 32, 41, 46 (+2 pad): across and on chunk edges
     "in_one_chunk": [40, 3, 2],  # two short documents inside the last chunk
     "tiny": [3, 1, 2, 3, 1, 1, 2, 3, 2, 1, 3, 2, 1, 1, 2, 3, 2, 1, 3, 2],  # 20 documents of 1-3 tokens
-    "two_rows": [30, 25, 20, 10],  # first-fit decreasing -> rows {30, 10} and {25, 20}: different plans
+    "two_rows": [30, 25, 20, 10],  # the packer -> rows {30, 10} and {25, 20}: different plans
 }
 
 
@@ -128,7 +128,7 @@ def test_packing_collator_layout():
     collator = RingDataCollator(0, 1, pad_token_id=0, max_length=SEQ, packing=True)
     full = collator.global_batch(examples)
     assert full["input_ids"].shape == (2, SEQ)  # {30, 10, 5} and {25, 20}
-    assert first_fit_decreasing([30, 25, 20, 10, 5], SEQ) == [[0, 3, 4], [1, 2]]
+    assert pack_rows([30, 25, 20, 10, 5], SEQ) == [[0, 3, 4], [1, 2]]
     assert collator.last_padding_fraction == pytest.approx(1 - 90 / 96)
     pos, labels = full["position_ids"][0].tolist(), full["shift_labels"][0].tolist()
     assert pos[:30] == list(range(30)) and pos[30:40] == list(range(10)) and pos[45:] == [0, 1, 2]

@@ -199,7 +199,8 @@ def test_fewer_pairs_than_full_causal():
 
 
 def test_balanced_order_evens_out_the_ranks():
-    from ringft.ops.documents import balanced_order, rank_pairs
+    from ringft.data.packer import balanced_order
+    from ringft.ops.documents import rank_pairs
 
     seq, n = 4096, 4
     for seed in range(4):  # 16 documents at uniform random cut points
