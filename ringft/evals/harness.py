@@ -22,6 +22,7 @@ import gc
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from ringft.evals.checks import EvalInputError
 from ringft.evals.store import ResultsWriteError
 from ringft.ops import BACKENDS
+from ringft.ops.validate import PeerFailed, run_together
 
 #: ``load_model(path, dtype, device, rope_theta) -> model``; the default reads the weights
 #: (:func:`ringft.evals.model.load_eval_model`). Tests pass one that reuses a loaded model.
@@ -118,6 +120,10 @@ class EvalTask:
         """Evaluate one case on the ring (every rank of the CP group calls it); its JSON record."""
         raise NotImplementedError
 
+    def score(self, records: list[dict[str, Any]], ctx: Context) -> None:
+        """Main process, before ``results.jsonl`` is written: add verdicts that depend on options
+        outside the results' key (eval-lines: ``--scoring``), in place."""
+
     def finish(self, records: list[dict[str, Any]], ctx: Context, layout: Any) -> str:
         """Main process: write the summaries from the finished records (in case order); the text
         to print. OSError from a write is reported with its path."""
@@ -172,16 +178,6 @@ def role_groups(task: EvalTask, cases: list[Any]) -> list[tuple[tuple[str, ...],
     return groups
 
 
-def _together(action: Callable[[], Any] | None) -> Any:
-    """Run ``action`` (None: this rank only takes part) and stop every rank together if any
-    rank's action failed (see :mod:`ringft.evals.lines`)."""
-    from ringft.evals.lines import _attempt, agree
-
-    box: list[Any] = []
-    agree(_attempt(lambda: box.append(action())) if action is not None else None)
-    return box[0] if box else None
-
-
 class _Models:
     """The loaded models by role; loads what a group of cases needs and frees the rest."""
 
@@ -201,7 +197,7 @@ class _Models:
             if role in self.engines:
                 continue
             ref = self.refs[role]
-            model = _together(lambda ref=ref: self.load(ref.path, self.dtype, self.device, ref.rope_theta))
+            model = run_together(lambda ref=ref: self.load(ref.path, self.dtype, self.device, ref.rope_theta))
             self.engines[role] = RingInference(model, self.group, self.args.backend)
             self.stop_ids[role] = stop_token_ids(model, tokenizer)
 
@@ -226,13 +222,14 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
 
     # Every bad input is found here, before any model loads; every rank stops with it, named once,
     # and every rank finishes reading --output before the main process writes to it.
-    plan = _together(check)
+    plan = run_together(check)
     layout = build_layout(args.cp or state.num_processes, state.device.type)
     if state.is_main_process:
         for line in [plan.warning, *plan.notes]:
             if line:
                 print(f"{prog}: warning: {line}", file=sys.stderr)
-    _together(plan.start if state.is_main_process else None)
+    main_process = state.is_main_process
+    run_together(plan.start, here=main_process)
 
     dtype = dtype_from_name(args.dtype, allowed=("bf16", "fp32"))
     models = _Models(
@@ -257,22 +254,18 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
         steps = -(-len(todo) // layout.dp_size)  # the same on every rank: one agreement per step
         desc = f"{task.command} {'+'.join(roles)} dp{layout.dp_rank}"
         for step in tqdm(range(steps), desc=desc, disable=hide, file=sys.stdout):
-            if step < len(mine):
-                record = task.evaluate(runner, mine[step])
-                _together((lambda r=record: plan.store.append(layout.dp_rank, r)) if writer else lambda: None)
-            else:
-                _together(lambda: None)
+            record = task.evaluate(runner, mine[step]) if step < len(mine) else None
+            run_together(
+                partial(plan.store.append, layout.dp_rank, record), here=writer and record is not None
+            )
     models.engines.clear()
     # The main process writes the merged results; a failure there (disk full) stops every rank.
-    results = _together((lambda: plan.finish(task, layout, prog)) if state.is_main_process else None)
-    return results or []
+    return run_together(lambda: plan.finish(task, layout), here=main_process) or []
 
 
 def task_main(task: EvalTask, argv: list[str] | None = None, load_model: ModelLoader | None = None) -> int:
     """Entry point of ``ringft <task.command>``: 0 on success, 2 on a bad input, 1 on a fault.
     Either is named once, by the lowest rank that met it; the other ranks stop with it."""
-    from ringft.evals.lines import PeerFailed
-
     args = parse_task_args(task, argv)
     try:
         run_task(task, args, load_model)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ringft.evals.checks import EvalInputError, check_positive, check_vocabulary
 from ringft.evals.model import check_model_path, load_config, weights_identity
 from ringft.evals.store import ResultsError, ResultsStore, tokenizer_identity, write_error
+from ringft.ops.values import as_number
 
 if TYPE_CHECKING:
     from ringft.evals.harness import Context, EvalTask
@@ -102,11 +102,12 @@ class RunPlan:
         except OSError as exc:
             raise write_error(Path(getattr(exc, "filename", None) or self.store.folder), exc) from None
 
-    def finish(self, task: EvalTask, layout: Any, prog: str) -> list[dict[str, Any]]:
+    def finish(self, task: EvalTask, layout: Any) -> list[dict[str, Any]]:
         """Main process, after every replica finished: merge the records in case order, write
         ``results.jsonl`` and the task's summaries, print the summary."""
         done, _ = self.store.load()
         records = [done[task.key(c)] for c in self.cases if task.key(c) in done]
+        task.score(records, self.ctx)
         path = self.store.folder / "results.jsonl"
         try:
             with open(path, "w") as fh:
@@ -124,8 +125,8 @@ def prepare_run(task: EvalTask, args: argparse.Namespace, processes: int = 1, ma
     is written and no model weights are read. EvalInputError on the first bad input."""
     from ringft.evals.harness import Context
 
-    if args.rope_theta is not None and not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
-        raise EvalInputError(f"--rope-theta {args.rope_theta:g}: give a positive RoPE base, e.g. 1e6")
+    fix = "give a positive RoPE base, e.g. 1e6"
+    as_number("--rope-theta", args.rope_theta, gt=0, optional=True, fix=fix, error=EvalInputError)
     if args.cp is not None:
         check_positive("--cp", args.cp, "process per CP group")
     task.check_args(args)
