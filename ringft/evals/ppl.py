@@ -93,7 +93,9 @@ class PplTask(EvalTask):
 
     def models(self, args: argparse.Namespace) -> list[ModelRef]:
         refs = [ModelRef("model", args.model, args.rope_theta)]
-        return refs + ([ModelRef("baseline", args.baseline)] if args.baseline else [])
+        return refs + (
+            [ModelRef("baseline", args.baseline)] if args.baseline and not same_model(args) else []
+        )
 
     def settings(self, args: argparse.Namespace) -> dict[str, Any]:
         return {"task": self.command}
@@ -111,7 +113,8 @@ class PplTask(EvalTask):
         lengths = tuple(args.length_list)
         cases = [PplCase(MODEL, "model", i, d, lengths) for i, d in enumerate(docs)]
         if args.baseline:
-            window = args.native_window or getattr(ctx.configs["baseline"], "max_position_embeddings", None)
+            role = "model" if same_model(args) else "baseline"
+            window = args.native_window or getattr(ctx.configs[role], "max_position_embeddings", None)
             if window is None:
                 raise EvalInputError(
                     f"--baseline {args.baseline}: its config has no max_position_embeddings; "
@@ -124,8 +127,9 @@ class PplTask(EvalTask):
                     "token is predicted from at least one earlier token of its window"
                 )
             args.window, args.stride_used = window, stride
-            cases += [PplCase(BASELINE, "baseline", i, d, lengths) for i, d in enumerate(docs)]
-            cases += [PplCase(WINDOW, "baseline", i, d, lengths, window, stride) for i, d in enumerate(docs)]
+            if role == "baseline":  # the same model in full is the "model" variant already
+                cases += [PplCase(BASELINE, role, i, d, lengths) for i, d in enumerate(docs)]
+            cases += [PplCase(WINDOW, role, i, d, lengths, window, stride) for i, d in enumerate(docs)]
         return cases
 
     def key(self, case: PplCase) -> str:
@@ -171,6 +175,17 @@ class PplTask(EvalTask):
         return write_ppl_summary(records, ctx, layout)
 
 
+def _resolved(path: str) -> str:
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
+
+def same_model(args: argparse.Namespace) -> bool:
+    """Whether ``--baseline`` names ``--model`` itself (no RoPE override): its full evaluation is
+    then the model's own, and only the windowed one is added."""
+    return args.rope_theta is None and _resolved(args.baseline) == _resolved(args.model)
+
+
 def variant_label(variant: str, args: argparse.Namespace) -> str:
     """A variant's name in tables and figures."""
     if variant == MODEL:
@@ -178,7 +193,7 @@ def variant_label(variant: str, args: argparse.Namespace) -> str:
     base = Path(args.baseline).name or args.baseline
     if variant == BASELINE:
         return f"{base} (base)"
-    return f"{base} (base, sliding {getattr(args, 'window', '?')})"
+    return f"{base} ({'' if same_model(args) else 'base, '}sliding {getattr(args, 'window', '?')})"
 
 
 def main(argv: list[str] | None = None, load_model=None) -> int:

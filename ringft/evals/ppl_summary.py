@@ -84,8 +84,12 @@ def write_ppl_summary(records: list[dict[str, Any]], ctx: Any, layout: Any) -> s
     lines += ["", describe_peak(config, lengths[-1], layout.cp_size, bytes_per, args.chunk_size) + "."]
     text = "\n".join(lines)
     (folder / "summary.md").write_text(text + "\n")
-    trained = [(getattr(c, "max_position_embeddings", None), role) for role, c in ctx.configs.items()]
-    vlines = sorted({(n, f"{role} max positions {n}") for n, role in trained if n and n <= lengths[-1]})
+    trained: dict[int, list[str]] = defaultdict(list)  # max_position_embeddings -> roles
+    for role, config in ctx.configs.items():
+        n = getattr(config, "max_position_embeddings", None)
+        if n and n <= lengths[-1]:
+            trained[n].append(role)
+    vlines = [(n, f"{' & '.join(roles)} max positions {n}") for n, roles in sorted(trained.items())]
     centre = {
         v: ([math.sqrt(a * (b - 1)) if b - 1 > a else a for a, b, _, _ in rows], [m for _, _, m, _ in rows])
         for v, rows in bins.items()
