@@ -48,7 +48,7 @@ EOF
   EXT=$D/extend/final
   for name in base extended; do
     model=$BASE; [[ $name == extended ]] && model=$EXT
-    launch eval-ppl --model "$model" --baseline "$BASE" --text "$D/records.jsonl" --lengths 64,128,256,512 \
+    launch eval-ppl --model "$model" --baseline "$BASE" --text "$D/records.jsonl" --concat --lengths 64,128,256,512 \
       --output "$D/$name-ppl"
     launch eval-lines --model "$model" --prompt-style ringft --lengths 120,500 --depths 0,0.25,0.5,0.75,1 \
       --cases 8 --max-new-tokens 8 --output "$D/$name-lines"

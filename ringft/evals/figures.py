@@ -21,6 +21,15 @@ def _pyplot():
     return plt
 
 
+def model_name(path: str) -> str:
+    """A model's short name for titles and labels: its folder (with the parent for a run's
+    ``final`` / ``checkpoint-*`` folder)."""
+    p = Path(path)
+    if p.name == "final" or p.name.startswith("checkpoint"):
+        return f"{p.parent.name}/{p.name}"
+    return p.name or path
+
+
 def fmt_cell(value: float, scale: float = 1.0) -> str:
     """A heatmap cell's text: ``-`` for a missing cell, else 2 decimals (0..1) or 0 decimals (0..100)."""
     if value is None or math.isnan(value):

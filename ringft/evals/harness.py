@@ -61,14 +61,13 @@ class Context:
 
 @dataclass
 class Runner:
-    """What :meth:`EvalTask.evaluate` gets: the ring engine of each loaded role, the tokenizer,
-    each role's generation stop ids, and this process's place (``cp_rank``, ``cp_group``)."""
+    """What :meth:`EvalTask.evaluate` gets: the ring engine of each loaded role
+    (:class:`ringft.model.inference.RingInference`), the tokenizer, each role's generation stop
+    ids, and the task's :meth:`EvalTask.runner_extra` values."""
 
     engines: dict[str, Any]
     tokenizer: Any
     stop_ids: dict[str, list[int]]
-    cp_rank: int = 0
-    cp_group: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -179,11 +178,14 @@ def role_groups(task: EvalTask, cases: list[Any]) -> list[tuple[tuple[str, ...],
 
 
 class _Models:
-    """The loaded models by role; loads what a group of cases needs and frees the rest."""
+    """The loaded models by role (each wrapped in a ring engine); :meth:`need` loads what a group of
+    cases runs on, every rank together, and frees the models it no longer needs."""
 
-    def __init__(self, refs: list[ModelRef], load: ModelLoader, dtype: torch.dtype, device: Any, group, args):
+    def __init__(
+        self, refs: list[ModelRef], load: ModelLoader, dtype: torch.dtype, device: Any, group, backend
+    ):
         self.refs = {ref.role: ref for ref in refs}
-        self.load, self.dtype, self.device, self.group, self.args = load, dtype, device, group, args
+        self.load, self.dtype, self.device, self.group, self.backend = load, dtype, device, group, backend
         self.engines: dict[str, Any] = {}
         self.stop_ids: dict[str, list[int]] = {}
 
@@ -194,12 +196,11 @@ class _Models:
             del self.engines[role]
             gc.collect()
         for role in roles:
-            if role in self.engines:
-                continue
-            ref = self.refs[role]
-            model = run_together(lambda ref=ref: self.load(ref.path, self.dtype, self.device, ref.rope_theta))
-            self.engines[role] = RingInference(model, self.group, self.args.backend)
-            self.stop_ids[role] = stop_token_ids(model, tokenizer)
+            if role not in self.engines:
+                ref = self.refs[role]
+                model = run_together(lambda r=ref: self.load(r.path, self.dtype, self.device, r.rope_theta))
+                self.engines[role] = RingInference(model, self.group, self.backend)
+                self.stop_ids[role] = stop_token_ids(model, tokenizer)
 
 
 def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader | None = None) -> list[dict]:
@@ -224,32 +225,24 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
     # and every rank finishes reading --output before the main process writes to it.
     plan = run_together(check)
     layout = build_layout(args.cp or state.num_processes, state.device.type)
-    if state.is_main_process:
+    main_process = state.is_main_process
+    if main_process:
         for line in [plan.warning, *plan.notes]:
             if line:
                 print(f"{prog}: warning: {line}", file=sys.stderr)
-    main_process = state.is_main_process
     run_together(plan.start, here=main_process)
 
     dtype = dtype_from_name(args.dtype, allowed=("bf16", "fp32"))
-    models = _Models(
-        task.models(args), load_model or load_eval_model, dtype, state.device, layout.cp_group, args
-    )
+    load = load_model or load_eval_model
+    models = _Models(task.models(args), load, dtype, state.device, layout.cp_group, args.backend)
     writer = layout.cp_rank == 0
-    hide = args.no_progress or not state.is_main_process
+    hide = args.no_progress or not main_process
     for roles, group in role_groups(task, plan.cases):
         todo = [c for c in group if task.key(c) not in plan.done]
         if not todo:
             continue
         models.need(roles, plan.ctx.tokenizer)
-        runner = Runner(
-            models.engines,
-            plan.ctx.tokenizer,
-            models.stop_ids,
-            layout.cp_rank,
-            layout.cp_group,
-            task.runner_extra(args),
-        )
+        runner = Runner(models.engines, plan.ctx.tokenizer, models.stop_ids, task.runner_extra(args))
         mine = todo[layout.dp_rank :: layout.dp_size]
         steps = -(-len(todo) // layout.dp_size)  # the same on every rank: one agreement per step
         desc = f"{task.command} {'+'.join(roles)} dp{layout.dp_rank}"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ringft.evals.checks import EvalInputError, parse_depths
-from ringft.evals.figures import heatmaps, write_summary_json
+from ringft.evals.figures import heatmaps, model_name, write_summary_json
 from ringft.evals.generation import GenerationTask
 from ringft.evals.harness import Context, task_main
 
@@ -93,7 +93,7 @@ class NiahTask(GenerationTask):
             ylabel="sequence tokens",
             colorbar="score (greedy generation)",
             vmax=100,
-            title=f"{Path(ctx.args.model).name}: needle retrieval, {ctx.args.samples} samples per cell",
+            title=f"{model_name(ctx.args.model)}: needle retrieval, {ctx.args.samples} samples per cell",
         )
         lines = [
             f"Needle retrieval, {ctx.args.model} (dp={layout.dp_size} x cp={layout.cp_size}); "

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ringft.evals.checks import EvalInputError, check_positive, parse_lengths, position_warning
+from ringft.evals.figures import model_name
 from ringft.evals.harness import Context, EvalTask, ModelRef, Runner, task_main
 from ringft.evals.texts import Document, make_documents, read_texts
 
@@ -189,8 +190,8 @@ def same_model(args: argparse.Namespace) -> bool:
 def variant_label(variant: str, args: argparse.Namespace) -> str:
     """A variant's name in tables and figures."""
     if variant == MODEL:
-        return Path(args.model).name or args.model
-    base = Path(args.baseline).name or args.baseline
+        return model_name(args.model)
+    base = model_name(args.baseline)
     if variant == BASELINE:
         return f"{base} (base)"
     return f"{base} ({'' if same_model(args) else 'base, '}sliding {getattr(args, 'window', '?')})"

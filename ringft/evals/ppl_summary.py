@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ringft.evals.figures import curves, write_summary_json
+from ringft.evals.figures import curves, model_name, write_summary_json
 from ringft.evals.memory import describe_peak
 
 SANITY = (
@@ -104,6 +104,7 @@ def write_ppl_summary(records: list[dict[str, Any]], ctx: Any, layout: Any) -> s
                 "xlabel": "first L tokens",
                 "ylabel": "perplexity",
                 "logx": True,
+                "logy": True,
                 "vlines": vlines,
                 "title": "perplexity over the first L tokens",
             },
@@ -116,7 +117,7 @@ def write_ppl_summary(records: list[dict[str, Any]], ctx: Any, layout: Any) -> s
                 "title": "NLL by position",
             },
         ],
-        title=f"Sanity check, not a retrieval measure: {Path(args.model).name}, {docs} document(s)",
+        title=f"Sanity check, not a retrieval measure: {model_name(args.model)}, {docs} document(s)",
     )
     write_summary_json(
         folder,

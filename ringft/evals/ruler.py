@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ringft.evals.checks import EvalInputError
-from ringft.evals.figures import curves, write_summary_json
+from ringft.evals.figures import curves, model_name, write_summary_json
 from ringft.evals.generation import GenerationTask
 from ringft.evals.harness import Context, task_main
 
@@ -121,7 +121,7 @@ class RulerTask(GenerationTask):
                     "title": f"RULER, effective length {label}",
                 }
             ],
-            title=Path(args.model).name,
+            title=model_name(args.model),
         )
         write_summary_json(
             folder,

@@ -24,13 +24,33 @@ def _run(folder: Path, summary: dict, figure: str | None = None) -> Path:
 def runs(tmp_path) -> list[Path]:
     ppl = {"perplexity": {"base": {"128": 9.0, "512": 40.0}, "base (sliding 128)": {"128": 9.0, "512": 8.5}}}
     ext = {"perplexity": {"extended": {"128": 9.2, "512": 7.9}}}
-    ruler = {"command": "eval-ruler", "threshold": 85.6, "scores": {"vt": {"4096": 90.0, "8192": 40.0}},
-             "average": {"4096": 90.0, "8192": 40.0}, "effective_length": "4K", "figures": ["ruler.png"]}  # fmt: skip
-    niah = {"command": "eval-niah", "figures": ["heatmap.png"], "cells": [
-        {"task": "passkey", "length": 4096, "depth": 0.0, "samples": 2, "score": 100.0},
-        {"task": "passkey", "length": 4096, "depth": 1.0, "samples": 2, "score": 50.0}]}  # fmt: skip
-    short = {"command": "eval-short", "length": 128, "ppl_base": 9.0, "ppl_model": 9.9, "ppl_increase_pct": 10.0,
-             "mean_kl": 0.02, "top1_agreement": 0.93, "flagged": True, "figures": []}  # fmt: skip
+    ruler = {
+        "command": "eval-ruler",
+        "threshold": 85.6,
+        "scores": {"vt": {"4096": 90.0, "8192": 40.0}},
+        "average": {"4096": 90.0, "8192": 40.0},
+        "effective_length": "4K",
+        "figures": ["ruler.png"],
+    }
+    niah = {
+        "command": "eval-niah",
+        "figures": ["heatmap.png"],
+        "cells": [
+            {"task": "passkey", "length": 4096, "depth": 0.0, "samples": 2, "score": 100.0},
+            {"task": "passkey", "length": 4096, "depth": 1.0, "samples": 2, "score": 50.0},
+        ],
+    }
+    short = {
+        "command": "eval-short",
+        "length": 128,
+        "ppl_base": 9.0,
+        "ppl_model": 9.9,
+        "ppl_increase_pct": 10.0,
+        "mean_kl": 0.02,
+        "top1_agreement": 0.93,
+        "flagged": True,
+        "figures": [],
+    }
     lines = tmp_path / "old-lines"
     lines.mkdir()
     (lines / "summary.csv").write_text(
