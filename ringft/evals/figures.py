@@ -106,7 +106,12 @@ def curves(
         if panel.get("logx"):
             ax.set_xscale("log", base=2)
         if panel.get("logy"):
+            from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
         if panel.get("hline"):
             y, label = panel["hline"]
             ax.axhline(y, color="grey", linestyle="--", linewidth=1, label=label)
