@@ -74,12 +74,13 @@ def check_positive(flag: str, value: int, what: str) -> None:
     as_integer(flag, value, 1, fix=f"give at least 1 {what}", error=EvalInputError)
 
 
-def check_vocabulary(tokenizer: Any, config: Any) -> None:
-    """Refuse a tokenizer whose ids can reach past the model's embedding rows."""
+def check_vocabulary(tokenizer: Any, config: Any, flag: str = "--model") -> None:
+    """Refuse a tokenizer whose ids can reach past the embedding rows of the model of ``flag``."""
     size, rows = len(tokenizer), getattr(config, "vocab_size", None)
     if rows is not None and size > rows:
+        whose = "the model's" if flag == "--model" else f"the {flag} model's"
         raise EvalInputError(
-            f"the tokenizer has {size} tokens but the model's embedding has {rows} rows (ids >= "
+            f"the tokenizer has {size} tokens but {whose} embedding has {rows} rows (ids >= "
             f"{rows} would read past it): use the model's own tokenizer (--tokenizer)"
         )
 

@@ -26,20 +26,21 @@ def is_adapter(path: str) -> bool:
     return Path(path, "adapter_config.json").is_file()
 
 
-def check_model_path(path: str) -> None:
-    """Refuse a ``--model`` that looks like a local path but is no folder with a ``config.json`` or
-    ``adapter_config.json``. A plain ``org/name`` that is not a local folder is left to the hub."""
+def check_model_path(path: str, flag: str = "--model") -> None:
+    """Refuse a ``--model`` (or another ``flag``'s model) that looks like a local path but is no
+    folder with a ``config.json`` or ``adapter_config.json``. A plain ``org/name`` that is not a
+    local folder is left to the hub."""
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file() and not is_adapter(str(local)):
             raise ModelPathError(
-                f"--model {path}: the folder has no config.json or adapter_config.json; "
+                f"{flag} {path}: the folder has no config.json or adapter_config.json; "
                 "give a model folder saved with save_pretrained (or a LoRA adapter folder)"
             )
         return
     looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1 or local.exists()
     if looks_local:
-        raise ModelPathError(f"--model {path}: no such model folder; give a model folder or a hub name")
+        raise ModelPathError(f"{flag} {path}: no such model folder; give a model folder or a hub name")
 
 
 def adapter_base(path: str) -> str:
@@ -49,12 +50,12 @@ def adapter_base(path: str) -> str:
     return PeftConfig.from_pretrained(path).base_model_name_or_path
 
 
-def load_config(path: str, rope_theta: float | None = None) -> Any:
+def load_config(path: str, rope_theta: float | None = None, flag: str = "--model") -> Any:
     """The model's config without its weights. For an adapter folder: the config saved next to the
     adapter (ringft's trainer saves the run's RoPE overrides there), else the base model's.
     ``rope_theta`` overrides ``config.rope_parameters["rope_theta"]`` (with RoPE per layer type, the
     global layers': :func:`ringft.model.families.global_rope`; ValueError when the config has no
-    RoPE parameters to override)."""
+    RoPE parameters to override). ``flag`` names the option in messages."""
     from transformers import AutoConfig
 
     source = path
@@ -65,7 +66,7 @@ def load_config(path: str, rope_theta: float | None = None) -> Any:
     except (OSError, ValueError) as exc:  # hub lookups fail with OSError or HFValidationError
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelPathError(
-            f"--model {path}: no such model folder, and no model of that name could be loaded "
+            f"{flag} {path}: no such model folder, and no model of that name could be loaded "
             f"({reason}); give a model folder or a reachable hub name"
         ) from None
     if rope_theta is not None:

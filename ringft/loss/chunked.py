@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ringft.ops.dtypes import accumulator_dtype
 
-__all__ = ["chunked_lm_loss", "check_chunking", "given_denominator"]
+__all__ = ["chunk_logits", "chunked_lm_loss", "check_chunking", "given_denominator"]
 
 
 def _as_dtype(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -54,7 +54,7 @@ def _as_dtype(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[
     return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """Logits ``(n, V)`` of ``n`` hidden rows ``(n, H)``: computed in ``h.dtype``, then upcast to
     the accumulator dtype (a fresh buffer the caller may modify in place)."""
     z = torch.nn.functional.linear(h, weight, bias)
@@ -96,7 +96,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=flat_h.device)
         for start in range(0, valid_idx.numel(), chunk_size):
             idx = valid_idx[start : start + chunk_size]
-            logits = _chunk_logits(flat_h.index_select(0, idx), w, b)  # (c, V) in acc
+            logits = chunk_logits(flat_h.index_select(0, idx), w, b)  # (c, V) in acc
             chunk_lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, targets[start : start + chunk_size, None]).squeeze(1)
             lse[start : start + chunk_size] = chunk_lse
@@ -126,7 +126,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 idx = valid_idx[start:stop]
                 h = flat_h.index_select(0, idx)  # (c, H)
                 # d CE / d logits = softmax - onehot, built in place in the (fp32) logits buffer
-                g = _chunk_logits(h, w, b).sub_(lse[start:stop, None]).exp_()
+                g = chunk_logits(h, w, b).sub_(lse[start:stop, None]).exp_()
                 g.scatter_add_(1, targets[start:stop, None], g.new_full((idx.numel(), 1), -1.0))
                 g.mul_(scale)
                 g_low = g if hidden.dtype == acc else g.to(hidden.dtype)  # backward of the upcast

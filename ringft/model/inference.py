@@ -164,22 +164,31 @@ class RingInference:
             self.cache = None
 
     @torch.no_grad()
-    def answer_logprob(self, prompt_ids: list[int], answer_ids: list[int]) -> tuple[float, bool]:
-        """Teacher-forced ``log p(answer | prompt)`` (natural log) and whether every answer token is
-        the argmax. One ring forward over prompt + answer; only answer positions get logits."""
-        ids = list(prompt_ids) + list(answer_ids)
-        local, pos = self._shard(ids)
+    def hidden_states(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ring forward over ``ids`` without a KV cache (the cache, if any, is kept): this
+        rank's final hidden states ``(tokens_local, hidden)`` and their global positions
+        ``(tokens_local,)`` (its zigzag shard of the sequence padded to a multiple of 2 x CP; padding
+        positions are ``>= len(ids)``). No logits are computed: take them in chunks
+        (:mod:`ringft.loss.tokens`)."""
+        local, pos = self._shard(list(ids))
         cache, self.cache = self.cache, None
         try:
             hidden = self._hidden(local, pos)
         finally:
             self.cache = cache
+        return hidden[0], pos[0]
+
+    @torch.no_grad()
+    def answer_logprob(self, prompt_ids: list[int], answer_ids: list[int]) -> tuple[float, bool]:
+        """Teacher-forced ``log p(answer | prompt)`` (natural log) and whether every answer token is
+        the argmax. One ring forward over prompt + answer; only answer positions get logits."""
+        hidden, pos = self.hidden_states(list(prompt_ids) + list(answer_ids))
         start = len(prompt_ids) - 1  # position predicting the first answer token
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum logp, wrong argmax]
         for i in range(len(answer_ids)):
-            where = (pos[0] == start + i).nonzero()
+            where = (pos == start + i).nonzero()
             if where.numel():
-                logits = self.lm_head(hidden[0, where[0, 0]]).float()
+                logits = self.lm_head(hidden[where[0, 0]]).float()
                 stats[0] += torch.log_softmax(logits, -1)[answer_ids[i]].double()
                 stats[1] += float(int(logits.argmax()) != answer_ids[i])
         stats = self._all_reduce(stats)

@@ -1,0 +1,202 @@
+"""``ringft eval-ppl``: perplexity by length and NLL by position, on the CP ring.
+
+Each document is cut to the longest ``--lengths`` value and evaluated by one ring forward; the NLL
+of every token comes through the chunked LM head (:mod:`ringft.evals.nll`, no full logits).
+Because attention is causal, the first L tokens' NLL from that forward is the NLL of a forward over
+those L tokens alone, so one forward per document gives the perplexity over the first L tokens for
+every ``--lengths`` value: ``exp(sum of the NLL of tokens 1 .. L-1 / (L - 1))`` pooled over the
+documents. With ``--baseline MODEL`` the base model is evaluated too, in full and limited to its
+native window (sliding windows of ``--native-window`` tokens, default its
+``max_position_embeddings``, stride ``--stride``, default half the window). Outputs in
+``--output``: ``results.jsonl``, ``ppl.csv``, ``nll_by_position.csv`` (log-binned),
+``summary.md``, ``ppl.png`` (a sanity check: perplexity does not measure retrieval),
+``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ringft.evals.checks import EvalInputError, check_positive, parse_lengths, position_warning
+from ringft.evals.figures import model_name
+from ringft.evals.harness import Context, EvalTask, ModelRef, Runner, task_main
+from ringft.evals.texts import Document, make_documents, read_texts
+
+#: Variants: (name, role, windowed).
+MODEL, BASELINE, WINDOW = "model", "baseline", "baseline-window"
+
+
+@dataclass(frozen=True)
+class PplCase:
+    """One document evaluated by one variant (``window`` None: the full length in one forward)."""
+
+    variant: str
+    role: str
+    index: int
+    document: Document
+    lengths: tuple[int, ...]
+    window: int | None = None
+    stride: int | None = None
+
+
+def add_text_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--text``, ``--text-field``, ``--concat``, ``--num-docs``, ``--chunk-size`` (eval-ppl, eval-short)."""
+    parser.add_argument(
+        "--text", nargs="+", required=True, help="files, globs or a datasets.save_to_disk folder"
+    )
+    parser.add_argument("--text-field", default="text", help="the text column of .jsonl files / datasets")
+    parser.add_argument("--concat", action="store_true", help="join the documents and cut the stream instead")
+    parser.add_argument("--num-docs", type=int, default=None, help="evaluate at most this many documents")
+    parser.add_argument(
+        "--chunk-size", type=int, default=1024, help="tokens per chunk of logits (default 1024)"
+    )
+
+
+def check_text_arguments(args: argparse.Namespace) -> None:
+    """``--num-docs`` and ``--chunk-size`` positive."""
+    if args.num_docs is not None:
+        check_positive("--num-docs", args.num_docs, "document")
+    check_positive("--chunk-size", args.chunk_size, "token per chunk")
+
+
+class PplTask(EvalTask):
+    """Perplexity by length / NLL by position (see the module doc)."""
+
+    command = "eval-ppl"
+    description = __doc__.split("\n\n")[0]
+    default_output = "outputs/eval-ppl"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add_text_arguments(parser)
+        parser.add_argument("--lengths", default="4096,8192,16384,32768", help="lengths in tokens")
+        parser.add_argument("--baseline", default=None, help="the base model, evaluated alongside")
+        parser.add_argument("--native-window", type=int, default=None, help="the base model's own context")
+        parser.add_argument(
+            "--stride", type=int, default=None, help="sliding-window stride (default window/2)"
+        )
+
+    def check_args(self, args: argparse.Namespace) -> None:
+        check_text_arguments(args)
+        args.length_list = sorted(parse_lengths(args.lengths))
+        if args.length_list[0] < 2:
+            raise EvalInputError(f"--lengths {args.lengths}: a perplexity needs lengths of at least 2 tokens")
+        for flag, value in (("--native-window", args.native_window), ("--stride", args.stride)):
+            if value is not None:
+                if args.baseline is None:
+                    raise EvalInputError(
+                        f"{flag} applies to the --baseline model: add --baseline or drop {flag}"
+                    )
+                check_positive(flag, value, "token")
+
+    def models(self, args: argparse.Namespace) -> list[ModelRef]:
+        refs = [ModelRef("model", args.model, args.rope_theta)]
+        return refs + (
+            [ModelRef("baseline", args.baseline)] if args.baseline and not same_model(args) else []
+        )
+
+    def settings(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {"task": self.command}
+
+    def cases(self, ctx: Context) -> list[PplCase]:
+        args = ctx.args
+        longest = args.length_list[-1]
+        docs = make_documents(
+            read_texts(args.text, args.text_field),
+            ctx.tokenizer,
+            longest,
+            concat=args.concat,
+            max_docs=args.num_docs,
+        )
+        lengths = tuple(args.length_list)
+        cases = [PplCase(MODEL, "model", i, d, lengths) for i, d in enumerate(docs)]
+        if args.baseline:
+            role = "model" if same_model(args) else "baseline"
+            window = args.native_window or getattr(ctx.configs[role], "max_position_embeddings", None)
+            if window is None:
+                raise EvalInputError(
+                    f"--baseline {args.baseline}: its config has no max_position_embeddings; "
+                    "give --native-window"
+                )
+            stride = args.stride or max(1, window // 2)
+            if stride >= window:
+                raise EvalInputError(
+                    f"--stride {stride}: give a stride below the window ({window} tokens), so that every "
+                    "token is predicted from at least one earlier token of its window"
+                )
+            args.window, args.stride_used = window, stride
+            if role == "baseline":  # the same model in full is the "model" variant already
+                cases += [PplCase(BASELINE, role, i, d, lengths) for i, d in enumerate(docs)]
+            cases += [PplCase(WINDOW, role, i, d, lengths, window, stride) for i, d in enumerate(docs)]
+        return cases
+
+    def key(self, case: PplCase) -> str:
+        lengths = ",".join(map(str, case.lengths))
+        doc = case.document
+        return f"{case.variant}|{case.index}|{doc.name}|{doc.digest}|{lengths}|{case.window}|{case.stride}"
+
+    def roles(self, case: PplCase) -> tuple[str, ...]:
+        return (case.role,)
+
+    def warning(self, ctx: Context, cases: list[PplCase]) -> str | None:
+        return position_warning(ctx.configs["model"], ctx.args.length_list[-1], 0)
+
+    def evaluate(self, runner: Runner, case: PplCase) -> dict[str, Any]:
+        from ringft.evals.nll import binned_sums, log_bins, prefix_sums, ring_token_nll, sliding_token_nll
+
+        engine, ids, chunk = runner.engines[case.role], list(case.document.ids), runner.extra["chunk_size"]
+        start = time.perf_counter()
+        if case.window is None:
+            nll = ring_token_nll(engine, ids, chunk)
+        else:
+            nll = sliding_token_nll(engine, ids, case.window, case.stride, chunk)
+        return {
+            "key": self.key(case),
+            "variant": case.variant,
+            "role": case.role,
+            "document": case.document.name,
+            "index": case.index,
+            "tokens": len(ids),
+            "window": case.window,
+            "stride": case.stride,
+            "nll_sum": prefix_sums(nll, case.lengths),
+            "bins": binned_sums(nll, log_bins(len(ids))),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+
+    def runner_extra(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {"chunk_size": args.chunk_size}
+
+    def finish(self, records: list[dict[str, Any]], ctx: Context, layout: Any) -> str:
+        from ringft.evals.ppl_summary import write_ppl_summary
+
+        return write_ppl_summary(records, ctx, layout)
+
+
+def _resolved(path: str) -> str:
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
+
+def same_model(args: argparse.Namespace) -> bool:
+    """Whether ``--baseline`` names ``--model`` itself (no RoPE override): its full evaluation is
+    then the model's own, and only the windowed one is added."""
+    return args.rope_theta is None and _resolved(args.baseline) == _resolved(args.model)
+
+
+def variant_label(variant: str, args: argparse.Namespace) -> str:
+    """A variant's name in tables and figures."""
+    if variant == MODEL:
+        return model_name(args.model)
+    base = model_name(args.baseline)
+    if variant == BASELINE:
+        return f"{base} (base)"
+    return f"{base} ({'' if same_model(args) else 'base, '}sliding {getattr(args, 'window', '?')})"
+
+
+def main(argv: list[str] | None = None, load_model=None) -> int:
+    """``ringft eval-ppl``; the exit code (0 ok, 2 bad input, 1 fault)."""
+    return task_main(PplTask(), argv, load_model)
