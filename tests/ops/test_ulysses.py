@@ -2,8 +2,8 @@
 
 Each world size is spawned once (gloo, CPU); inside, every (ulysses, ring) factorisation of it runs
 every config: GQA with K/V heads fewer than, equal to and more than ``ulysses_size`` (and not
-dividing it: replicated K/V heads), causal, bidirectional and packed documents, fp32 and bf16, out,
-lse and dq/dk/dv. The ranks return their shards; the parent unshards them with ``cp_unshard`` and
+dividing it: replicated K/V heads), causal, bidirectional, packed documents and a sliding window
+over packed documents, fp32 and bf16, out, lse and dq/dk/dv. The ranks return their shards; the parent unshards them with ``cp_unshard`` and
 compares with the oracle. ``ulysses_size = 1`` must equal today's ring bit for bit.
 
 Tolerances (max-abs error relative to the oracle's max-abs):
@@ -26,7 +26,7 @@ import torch
 from ringft.ops.cp_sharding import cp_shard, cp_unshard
 from ringft.ops.spawn import run_distributed
 from ringft.ops.ulysses import kv_replication, ulysses_ring_attention
-from tests.oracle import full_attention_fp64, per_document_attention_fp64
+from tests.oracle import full_attention_fp64, per_document_attention_fp64, windowed_attention_fp64
 
 SEQ, DIM, BATCH = 24, 16, 2  # SEQ: a multiple of 2 * cp for cp = 2, 3, 4, 6
 EPS32 = torch.finfo(torch.float32).eps
@@ -42,18 +42,21 @@ HEADS = {
 
 
 F32, BF16 = torch.float32, torch.bfloat16
-COMBOS = [(F32, "causal"), (BF16, "docs"), (F32, "docs"), (BF16, "causal"), (F32, "full")]
+COMBOS = [(F32, "causal"), (BF16, "docs"), (F32, "docs"), (BF16, "causal"), (F32, "full"), (F32, "window")]
+WINDOW = 5  # "window": a sliding window over packed documents, across chunk and piece edges
 CP_SIZES = (2, 3, 4, 6)  # one spawn of 6 processes: cp 2 (dp 3), 3 (dp 2), 6 (dp 1), and 4 on ranks 0-3
 
 
 def configs(cp: int) -> list[tuple]:
     """``(ulysses, hq, hkv, dtype, mode)`` for every factorisation of ``cp``; mode is ``causal``,
-    ``full`` (bidirectional) or ``docs`` (packed documents). Each head config runs two of the
-    combos in turn, so every factorisation runs every combo and every head config."""
+    ``full`` (bidirectional), ``docs`` (packed documents) or ``window`` (a sliding window of
+    ``WINDOW`` keys over the packed documents). Each head config runs two of the combos in turn, so
+    every factorisation runs every combo and every head config."""
     out = []
     for u in (x for x in range(1, cp + 1) if cp % x == 0):
         for j, (hq, hkv) in enumerate(HEADS[u]):
-            picks = range(len(COMBOS)) if len(HEADS[u]) == 1 else (2 * j % 5, (2 * j + 1) % 5)
+            n = len(COMBOS)
+            picks = range(n) if len(HEADS[u]) == 1 else (2 * j % n, (2 * j + 1) % n)
             out += [(u, hq, hkv, *COMBOS[c]) for c in picks]
     return out
 
@@ -64,10 +67,13 @@ def _inputs(index: int, hq: int, hkv: int, dtype):
     return make(hq), make(hkv), make(hkv), make(hq)
 
 
+def _mode_options(mode: str) -> dict:
+    window = {"sliding_window": WINDOW} if mode == "window" else {}
+    return {"causal": mode != "full", "cu_seqlens": DOCS if mode in ("docs", "window") else None, **window}
+
+
 def _call(q, k, v, mode, **kw):
-    return ulysses_ring_attention(
-        q, k, v, causal=mode != "full", cu_seqlens=DOCS if mode == "docs" else None, return_lse=True, **kw
-    )
+    return ulysses_ring_attention(q, k, v, return_lse=True, **_mode_options(mode), **kw)
 
 
 def _groups_on_first_ranks(cp: int, u: int):
@@ -120,9 +126,8 @@ def hybrid_worker(rank: int, world: int) -> bytes:
             if u == 1:  # today's ring over the CP group, same inputs: bit for bit
                 ring = [t.clone().requires_grad_() for t in (q, k, v)]
                 r_out, r_lse = zigzag_ring_attention(
-                    *ring, causal=mode != "full", cu_seqlens=DOCS if mode == "docs" else None,
-                    return_lse=True, group=cp_group, backend="torch",
-                )  # fmt: skip
+                    *ring, return_lse=True, group=cp_group, backend="torch", **_mode_options(mode)
+                )
                 r_out.backward(dout)
                 got = [r_out.detach(), r_lse, *(t.grad for t in ring)]
                 record["bitwise"] = all(torch.equal(a, b) for a, b in zip(record["tensors"], got))
@@ -218,7 +223,9 @@ def _to_bytes(obj) -> bytes:
 
 def _oracle(q, k, v, dout, mode):
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-    if mode == "docs":
+    if mode == "window":
+        out, lse = windowed_attention_fp64(qd, kd, vd, WINDOW, DOCS)
+    elif mode == "docs":
         out, lse = per_document_attention_fp64(qd, kd, vd, DOCS)
     else:
         out, lse = full_attention_fp64(qd, kd, vd, mode == "causal")
