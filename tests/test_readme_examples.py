@@ -4,7 +4,8 @@ can drift from the code.
 
 Discovery: each page is read line by line; a fence may be indented (inside a list item), and its
 body is dedented by the fence's indent. A block that starts a process group (``init_process_group``)
-runs under ``torchrun`` on 2 CPU processes; any other block runs in one process. Both get
+or says it is launched (``accelerate launch``: a Trainer joins the launch's group itself) runs under
+``torchrun`` on 2 CPU processes; any other block runs in one process. Both get
 ``RINGFT_EXAMPLE_DEVICE=cpu`` (the switch the examples honour: gloo, fp32), ``RINGFT_EXAMPLE_MODEL``
 pointing at a tiny saved LLaMA with the shipped demo tokenizer, and a fresh working folder.
 
@@ -91,6 +92,10 @@ print(f"rank {rank}: the README example matches one process", flush=True)
 """
 
 
+def _is_distributed(block: Block) -> bool:
+    return "init_process_group" in block.code or "accelerate launch" in block.code
+
+
 def _is_own_loop(block: Block) -> bool:
     code = block.code
     return block.page == "README.md" and "apply_ring_attention" in code and "loss_normalization" in code
@@ -129,7 +134,7 @@ def test_examples_honour_the_cpu_switch():
     """An example that would use a GPU or start a process group reads RINGFT_EXAMPLE_DEVICE, so the
     test-suite runs it on CPU as written."""
     for b in BLOCKS:
-        if "cuda" in b.code or "init_process_group" in b.code:
+        if "cuda" in b.code or _is_distributed(b):
             assert "RINGFT_EXAMPLE_DEVICE" in b.code, f"{b.id}: the example ignores RINGFT_EXAMPLE_DEVICE"
 
 
@@ -155,7 +160,7 @@ def test_doc_example_runs(block, tiny_model_dir, tmp_path):
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(REPO),
     )
-    distributed = "init_process_group" in block.code
+    distributed = _is_distributed(block)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if distributed else []
     proc = subprocess.run(
         [sys.executable, *launcher, str(script)],

@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset-split", default="train")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--cp-size", type=int, default=1, help="ranks per ring (1: TRL's SFTTrainer unchanged)")
+    p.add_argument("--ulysses-size", type=int, default=1, help="CP = Ulysses x ring (1: the ring alone)")
     p.add_argument("--max-length", type=int, default=2048, help="tokens per packed row")
     p.add_argument("--micro-batch", type=int, default=1, help="packed rows per replica and micro-step")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -130,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     ring = {}
     if args.cp_size > 1 or args.tiled_mlp_tokens:
         ring = dict(
-            cp_size=args.cp_size, loss_chunk_size=args.loss_chunk_size, tiled_mlp_tokens=args.tiled_mlp_tokens
+            cp_size=args.cp_size,
+            ulysses_size=args.ulysses_size,
+            loss_chunk_size=args.loss_chunk_size,
+            tiled_mlp_tokens=args.tiled_mlp_tokens,
         )
     trainer = (RingSFTTrainer if ring else SFTTrainer)(
         model=model,
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             "world": trainer.accelerator.num_processes,
             "dp": layout.dp_size if layout else trainer.accelerator.num_processes,
             "cp": layout.cp_size if layout else 1,
+            "ulysses": layout.ulysses_size if layout else 1,
             "distributed_type": str(trainer.accelerator.distributed_type),
         }
         (out / "run_info.json").write_text(json.dumps(info))

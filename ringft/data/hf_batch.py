@@ -11,7 +11,8 @@ of the ring computes on, exactly as :class:`ringft.RingDataCollator` does for ra
   transformers' ``ForCausalLMLoss``), or taken as given when the batch carries ``shift_labels``;
 - the sequence is padded to a multiple of ``2 * cp_size`` (pad tokens without targets, positions
   continuing the row);
-- ``input_ids``, ``position_ids`` and the shifted labels are zigzag-sharded with the same index.
+- ``input_ids``, ``position_ids`` and the shifted labels are zigzag-sharded with the same index
+  (with ``ulysses_size``, the Ulysses x ring layout: :func:`ringft.ops.cp_sharding.cp_shard`).
 
 Documents stay apart: a packed row's ``position_ids`` restart at 0 for every document (which is
 also how transformers masks packed rows in one process); the shard carries each row's global
@@ -121,6 +122,7 @@ def shard_collated_batch(
     ignore_index: int = -100,
     keep_labels: bool = False,
     count_pad_token_id: int | None = None,
+    ulysses_size: int = 1,
 ) -> dict[str, Any]:
     """This rank's shard of a collated ``(batch, seq)`` batch (see the module docstring).
 
@@ -129,7 +131,8 @@ def shard_collated_batch(
     the next multiple of ``2 * cp_size``; ``cu_seqlens`` (per row, global offsets ``[0, ...,
     seq_pad]``); :data:`RING_LENGTH` (``seq``), :data:`RING_COUNTS`, and
     with ``keep_labels`` the unsharded labels as :data:`RING_LABELS`. ``count_pad_token_id``: the
-    tokenizer's pad id for the non-padding token count of batches without a mask. Raises
+    tokenizer's pad id for the non-padding token count of batches without a mask. ``ulysses_size``:
+    shard for CP = Ulysses x ring (:func:`ringft.data.collator.shard_sequence_tensors`). Raises
     :class:`BatchRefused`.
     """
     unknown = sorted(k for k in batch if k not in (*VARLEN_KEYS, *DROPPED_KEYS) and k not in _KNOWN)
@@ -168,7 +171,7 @@ def shard_collated_batch(
         full["shift_labels"] = shifted
     padded = pad_sequence_tensors(full, cp_size, pad_token_id, ignore_index)
     padded["cu_seqlens"] = cu_seqlens_from_position_ids(padded["position_ids"])
-    out: dict[str, Any] = shard_sequence_tensors(padded, cp_rank, cp_size)
+    out: dict[str, Any] = shard_sequence_tensors(padded, cp_rank, cp_size, ulysses_size)
     if shifted is not None:
         out["labels"] = out["shift_labels"]
     out[RING_LENGTH] = shape[1]

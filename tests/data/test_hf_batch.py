@@ -44,14 +44,15 @@ def _unshard(shards: list[dict], key: str) -> torch.Tensor:
     return zigzag_unshard([s[key] for s in shards])
 
 
-@pytest.mark.parametrize("cp", [1, 2, 3])
-def test_padded_rows_shard_like_the_ring_collator(cp):
-    """A right-padded batch gives exactly RingDataCollator's shards of the same examples."""
+@pytest.mark.parametrize("cp, ulysses", [(1, 1), (2, 1), (3, 1), (4, 2), (6, 3)])
+def test_padded_rows_shard_like_the_ring_collator(cp, ulysses):
+    """A right-padded batch gives exactly RingDataCollator's shards of the same examples (with
+    ``ulysses_size``: the Ulysses x ring layout)."""
     rows = _examples()
     batch = _right_padded(rows)
     for rank in range(cp):
-        got = shard_collated_batch(batch, rank, cp, PAD)
-        want = RingDataCollator(rank, cp, PAD)(rows)
+        got = shard_collated_batch(batch, rank, cp, PAD, ulysses_size=ulysses)
+        want = RingDataCollator(rank, cp, PAD, ulysses_size=ulysses)(rows)
         for key in ("input_ids", "position_ids", "shift_labels", "labels", "cu_seqlens"):
             assert (got[key] == want[key]) if key == "cu_seqlens" else torch.equal(got[key], want[key]), key
         assert got[RING_LENGTH] == 13

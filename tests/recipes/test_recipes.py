@@ -53,6 +53,8 @@ LAUNCH = [
     ("llama3_8b_512k/stage4_512k_lora.yaml", ["1node_8gpu.yaml", "2node_8gpu.yaml"]),
     ("smollm2_32k/stage?_*k.yaml", ["1node_8gpu.yaml"]),  # run.sh: --num_processes NUM_GPUS (default 1)
 ]
+# Recipes that are scripts around RingTrainerMixin, not ringft YAML: the launch configs they use.
+SCRIPT_LAUNCH = {"trl_sft/run.sh": ["fsdp2.yaml"], "trl_sft/run_cpu.sh": ["cpu_2proc.yaml"]}
 # Recipes written for these wrappers (stricter checks than the demo's).
 STAGE_NAMES = ("stage1_64k", "stage2_128k", "stage3_256k", "stage4_512k")
 STAGED = {d: [f"{d}/{n}.yaml" for n in STAGE_NAMES] for d in ("llama3_8b_512k", "mistral_7b_512k")}
@@ -300,7 +302,9 @@ def test_every_launch_config_is_known():
     from accelerate.commands.config.config_args import ClusterConfig
 
     assert {p.name for p in ACCEL_FILES} == set(EXPECTED)
-    used = {config for _, configs in LAUNCH for config in configs}
+    used = {config for _, configs in [*LAUNCH, *SCRIPT_LAUNCH.items()] for config in configs}
+    for script, configs in SCRIPT_LAUNCH.items():
+        assert all(f"recipes/accelerate/{c}" in (RECIPES / script).read_text() for c in configs), script
     assert used == set(EXPECTED), f"launched by no recipe: {sorted(set(EXPECTED) - used)}"
     named = {
         name
@@ -421,6 +425,8 @@ SHELL_RUN_BY = {
     "smollm2_32k/run.sh": "test_smollm2_recipe.py::test_wrappers_launch_the_stages_and_the_measurement",
     "smollm2_32k/measure.sh": "test_smollm2_recipe.py::test_wrappers_launch_the_stages_and_the_measurement",
     "smollm2_32k/prepare_data.sh": "test_smollm2_recipe.py::test_prepare_data_builds_what_the_stages_read",
+    "trl_sft/run.sh": "test_recipes.py::test_trl_sft_run_sh_launches_fsdp2_with_a_ring_of_8",
+    "trl_sft/run_cpu.sh": "../train/test_hf_launch.py::test_recipe_cpu_variant_matches_one_process",
 }
 
 

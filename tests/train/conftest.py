@@ -111,12 +111,14 @@ def hf_two(hf_root) -> dict[str, dict]:
 
 @pytest.fixture(scope="session")
 def hf_four(hf_root) -> dict[str, dict]:
-    """The 4-process spawn: the dp2 x cp2 ring runs."""
-    r, ring = hf_root, dict(mixin=True, cp=2)
+    """The 4-process spawn: the dp2 x cp2 ring runs, and cp 4 = ulysses 2 x ring 2 (dp 1)."""
+    r, ring, hybrid = hf_root, dict(mixin=True, cp=2), dict(mixin=True, cp=4, ulysses=2)
     runs = {
         "dp-cp": spec(f"{r}/dp-cp", **ring, evaluate=True, predict=True),
         "dp-cp-off": spec(f"{r}/dp-cp-off", **ring, avg=False),
         "dp-cp-epoch": spec(f"{r}/dp-cp-epoch", **ring, steps=0, rows=21),
+        "ulysses": spec(f"{r}/ulysses", **hybrid, evaluate=True, predict=True),
+        "ulysses-sft": spec(f"{r}/ulysses-sft", kind="sft", **hybrid, evaluate=True),
     }
     results = run_distributed(
         phased_worker, 4, [], list(runs.values()), str(r / "store4"), timeout=SPAWN_TIMEOUT

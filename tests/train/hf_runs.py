@@ -39,14 +39,16 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 def spec(out: str, **kw: Any) -> dict[str, Any]:
     """A run: ``kind`` trainer | sft | fsdp (tests/train/hf_fsdp.py) | script (recipes/trl_sft/sft.py
-    with ``argv``, in this process), ``mixin`` (RingTrainerMixin on/off), ``cp``, ``steps``
-    (max_steps; 0: one epoch), ``mb``, ``ga``, ``gc`` (activation checkpointing), ``lora``, ``avg``
-    (average_tokens_across_devices), ``save`` (save_steps), ``resume`` (a checkpoint folder),
-    ``evaluate``, ``predict``, ``collate`` (right | left padding), ``rows`` (training examples)."""
+    with ``argv``, in this process), ``mixin`` (RingTrainerMixin on/off), ``cp``, ``ulysses``
+    (ulysses_size: cp = ulysses x ring), ``steps`` (max_steps; 0: one epoch), ``mb``, ``ga``, ``gc``
+    (activation checkpointing), ``lora``, ``avg`` (average_tokens_across_devices), ``save``
+    (save_steps), ``resume`` (a checkpoint folder), ``evaluate``, ``predict``, ``collate`` (right |
+    left padding), ``rows`` (training examples)."""
     base = dict(
         kind="trainer",
         mixin=False,
         cp=1,
+        ulysses=1,
         steps=4,
         mb=2,
         ga=1,
@@ -149,7 +151,7 @@ def _trainer(s: dict[str, Any], tok, model) -> Any:
         average_tokens_across_devices=s["avg"],
         include_num_input_tokens_seen="non_padding",
     )
-    kwargs = dict(cp_size=s["cp"], ring_backend="torch") if s["mixin"] else {}
+    kwargs = dict(cp_size=s["cp"], ulysses_size=s["ulysses"], ring_backend="torch") if s["mixin"] else {}
     evals = datasets.Dataset.from_list(examples(7, 99, 10, 40, prompts=True))
     if s["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer

@@ -74,3 +74,27 @@ def test_options_that_cannot_run_exactly_are_refused(args, message):
     with pytest.raises(ValueError, match=message):
         check_trainer_options(_trainer(**args))
     check_trainer_options(_trainer())
+
+
+@pytest.mark.parametrize(
+    "cp, ulysses, message",
+    [
+        (4, 3, r"ulysses_size=3 does not divide cp_size=4 \(cp_size = ulysses_size x ring_size\): use one"),
+        (3, 3, r"query heads \(4\) are not divisible by ulysses_size=3: use a ulysses_size dividing"),
+        (2, 0, r"ulysses_size must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_ulysses_size_is_refused_before_the_trainer_is_built(cp, ulysses, message):
+    """ulysses_size must split the CP group and the model's query heads: one line naming the sizes
+    that work (ringft.ops' own problems), before the base trainer or any process group is touched."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    from ringft import RingTrainerMixin
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    trainer = type("RingTrainer", (RingTrainerMixin, Trainer), {})
+    with pytest.raises(ValueError, match=rf"^ringft.RingTrainerMixin: {message}"):
+        trainer(model=LlamaForCausalLM(config), cp_size=cp, ulysses_size=ulysses)

@@ -28,7 +28,8 @@ RING_PROBLEM = "ring_problem"  # a refused batch: the message, raised on every r
 
 
 class RingCollate:
-    """``collate_fn`` wrapper: the user's collator, then :func:`shard_collated_batch` for this rank.
+    """``collate_fn`` wrapper: the user's collator, then :func:`shard_collated_batch` for this rank
+    (zigzag, or with ``ulysses_size`` the Ulysses x ring layout).
 
     A refused batch becomes ``{RING_PROBLEM: message}`` instead of raising here (a dataloader
     worker, one DP replica): the trainer exchanges the verdict with every rank before any collective
@@ -43,8 +44,10 @@ class RingCollate:
         pad_token_id: int,
         keep_labels: bool,
         count_pad_token_id: int | None,
+        ulysses_size: int = 1,
     ):
         self.inner, self.cp_rank, self.cp_size = inner, cp_rank, cp_size
+        self.ulysses_size = ulysses_size
         self.pad_token_id, self.keep_labels = pad_token_id, keep_labels
         self.count_pad_token_id = count_pad_token_id
 
@@ -59,6 +62,7 @@ class RingCollate:
                 self.pad_token_id,
                 keep_labels=self.keep_labels,
                 count_pad_token_id=self.count_pad_token_id,
+                ulysses_size=self.ulysses_size,
             )
         except BatchRefused as exc:
             return {RING_PROBLEM: str(exc)}

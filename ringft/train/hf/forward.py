@@ -27,8 +27,8 @@ import torch.distributed as dist
 from ringft.loss import causal_lm_loss
 from ringft.model.inputs import OFFSETS
 from ringft.model.unwrap import pretrained_model
+from ringft.ops.cp_sharding import cp_gather
 from ringft.ops.parallel import ParallelLayout
-from ringft.ops.sharding import zigzag_gather
 
 __all__ = [
     "RING_LOSS",
@@ -135,7 +135,8 @@ def predict_logits(
     model: torch.nn.Module, batch: dict[str, Any], layout: ParallelLayout, length: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full logits ``(batch, length, vocab)`` of an eval batch, gathered within the CP group and
-    un-zigzagged (the ring's padding cut off), and the CP group's summed token loss (None without
+    put back in sequence order (zigzag, or the Ulysses x ring layout of ``layout.ulysses_size``;
+    the ring's padding cut off), and the CP group's summed token loss (None without
     labels), computed from the local logits as transformers' loss computes it (fp32 upcast)."""
     with torch.no_grad():
         out = model(
@@ -152,5 +153,6 @@ def predict_logits(
                 flat, batch["shift_labels"].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
             )
             loss_sum = _cp_sum(total.reshape(1), layout)[0]
-        full = zigzag_gather(local.contiguous(), layout.cp_group) if layout.cp_size > 1 else local
+        ulysses = getattr(layout, "ulysses_size", 1)
+        full = cp_gather(local.contiguous(), layout.cp_group, ulysses) if layout.cp_size > 1 else local
         return full[:, :length].contiguous(), loss_sum

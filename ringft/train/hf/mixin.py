@@ -10,9 +10,9 @@ TRL's ``SFTTrainer``.
 What it changes in the base trainer (each override delegates to the base class when the ring is
 off, so ``cp_size=1`` without memory options is the base class unchanged):
 
-- ``__init__``: checks versions and options, builds ringft's DP x CP layout
-  (:func:`ringft.ops.parallel.build_layout`), switches the model to the ring
-  (:func:`ringft.apply_ring_attention`), installs the chunked-loss forward
+- ``__init__``: checks versions and options, builds ringft's DP x CP layout, CP = Ulysses x ring
+  with ``ulysses_size`` (:func:`ringft.ops.build_hybrid_layout`, as ``ringft train`` does),
+  switches the model to the ring (:func:`ringft.apply_ring_attention`), installs the chunked-loss forward
   (:mod:`ringft.train.hf.forward`) and, if asked, the tiled MLP;
 - ``_get_dataloader``: every dataloader reads per DP replica and shards per CP rank
   (:mod:`ringft.train.hf.data`);
@@ -21,7 +21,8 @@ off, so ``cp_size=1`` without memory options is the base class unchanged):
   every rank, token counters (:mod:`ringft.train.hf.steps`); ``_track_num_input_tokens`` reads them;
 - ``compute_loss``: ringft's chunked loss through the wrapped model, times the loss scale;
 - ``prediction_step`` / ``evaluation_loop``: eval loss over the CP group, logits gathered within CP
-  and un-zigzagged, metrics gathered across DP only.
+  and put back in sequence order (:func:`ringft.ops.cp_sharding.cp_gather`), metrics gathered
+  across DP only.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from typing import Any
 import torch
 
 from ringft.data.hf_batch import RING_LABELS, RING_LENGTH
-from ringft.ops.parallel import ParallelLayout, build_layout
+from ringft.ops.cp_sharding import ulysses_size_problem
+from ringft.ops.hybrid_layout import HybridLayout, build_hybrid_layout
+from ringft.ops.ulysses import heads_problem
 from ringft.train.hf.checks import WHERE, check_no_accelerate_cp, check_trainer_options
 from ringft.train.hf.data import RingCollate, gather_over_dp, shard_loader_over_dp
 from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, predict_logits, ring_loss
@@ -51,7 +54,7 @@ _TOKENS = (
 class _Ring:
     """The ring settings of one trainer."""
 
-    layout: ParallelLayout
+    layout: HybridLayout
     pad_token_id: int
     count_pad_token_id: int | None
 
@@ -62,6 +65,22 @@ def _uses_trl(cls: type) -> bool:
 
 def _training_args(args: tuple, kwargs: dict) -> Any:
     return kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+
+
+def _ulysses_problem(cp_size: int, ulysses_size: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why ``ulysses_size`` cannot split this trainer's CP group or its model's query heads."""
+    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
+        return f"ulysses_size must be an integer >= 1, got {ulysses_size!r}"
+    if ulysses_size == 1:
+        return None
+    problem = ulysses_size_problem(cp_size, ulysses_size)
+    model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
+    if problem is None and model is not None:
+        from ringft.model.unwrap import pretrained_model
+
+        heads = getattr(getattr(pretrained_model(model), "config", None), "num_attention_heads", None)
+        problem = heads_problem(heads, ulysses_size, cp_size) if isinstance(heads, int) else None
+    return problem
 
 
 def _pad_ids(tokenizer: Any) -> tuple[int, int | None]:
@@ -77,9 +96,13 @@ class RingTrainerMixin:
 
     Keyword arguments (all other arguments go to the base trainer):
 
-    - ``cp_size``: ranks per ring (context parallelism); the world size must be a multiple of it
-      (``dp = world // cp_size`` replicas; ranks ``d * cp_size .. (d + 1) * cp_size - 1`` form ring
-      ``d``, so a ring stays inside a node). 1 (default) without the options below: the base trainer.
+    - ``cp_size``: ranks per CP group (context parallelism); the world size must be a multiple of
+      it (``dp = world // cp_size`` replicas; ranks ``d * cp_size .. (d + 1) * cp_size - 1`` form
+      CP group ``d``, so it stays inside a node). 1 (default) without the options below: the base
+      trainer.
+    - ``ulysses_size``: 2D context parallelism, ``cp_size = ulysses_size x ring_size`` (Ulysses
+      all-to-alls over ``ulysses_size`` contiguous ranks, the zigzag ring across them); it must
+      divide ``cp_size`` and the model's query heads. 1 (default): the zigzag ring alone.
     - ``ring_backend``: the block kernel (``"auto"``, ``"flash_attn"``, ``"torch"``, ``"reference"``).
     - ``loss_chunk_size``: tokens per chunk of the ``lm_head`` + cross-entropy (no full logits).
     - ``tiled_mlp_tokens``: run the MLP over token tiles of this size (``ringft.model.tiled_mlp``).
@@ -94,6 +117,7 @@ class RingTrainerMixin:
         self,
         *args: Any,
         cp_size: int = 1,
+        ulysses_size: int = 1,
         ring_backend: str = "auto",
         loss_chunk_size: int = 4096,
         tiled_mlp_tokens: int | None = None,
@@ -104,6 +128,9 @@ class RingTrainerMixin:
             raise ValueError(f"{WHERE}: cp_size must be an integer >= 1, got {cp_size!r}")
         if loss_chunk_size < 1:
             raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
+        problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
+        if problem:
+            raise ValueError(f"{WHERE}: {problem}")
         self._ring: _Ring | None = None
         active = cp_size > 1 or bool(tiled_mlp_tokens) or offload_activations
         if active:
@@ -114,11 +141,11 @@ class RingTrainerMixin:
         super().__init__(*args, **kwargs)
         if not active:
             return
-        layout = build_layout(cp_size, self.args.device.type)
+        layout = build_hybrid_layout(cp_size, ulysses_size, self.args.device.type)
         check_trainer_options(self)
         from ringft.model.patch import apply_ring_attention
 
-        apply_ring_attention(self.model, layout.cp_group, ring_backend)
+        apply_ring_attention(self.model, layout, ring_backend)  # Ulysses x ring: the layout's groups
         install_ring_loss_forward(self.model, loss_chunk_size, offload_activations)
         if tiled_mlp_tokens:
             from ringft.model.tiled_mlp import enable_tiled_mlp
@@ -131,8 +158,8 @@ class RingTrainerMixin:
 
     # -- layout and data ---------------------------------------------------------------------
     @property
-    def ring_layout(self) -> ParallelLayout | None:
-        """This process's DP x CP layout (None when the ring is off)."""
+    def ring_layout(self) -> HybridLayout | None:
+        """This process's DP x CP (CP = Ulysses x ring) layout (None when the ring is off)."""
         return None if self._ring is None else self._ring.layout
 
     def get_cp_size(self) -> int:
@@ -160,6 +187,7 @@ class RingTrainerMixin:
             ring.pad_token_id,
             keep_labels=not is_training,
             count_pad_token_id=ring.count_pad_token_id,
+            ulysses_size=ring.layout.ulysses_size,
         )
         return shard_loader_over_dp(loader, ring.layout, collate, description)
 
