@@ -19,10 +19,18 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.ops.spawn import run_distributed
-from tests.model.test_documents_hf import GRAD_RTOL, LOGITS_RTOL, LOSS_RTOL, _examples, _reference
-from tests.model.test_patch import VOCAB, _compare, ragged_examples, tiny_model
-from tests.ops.test_windows import check_window_results, window_worker
+from tests.ops.window_checks import check_window_results, window_worker
+from tests.tiny_models import (
+    VOCAB,
+    compare_with_reference,
+    document_examples,
+    documents_reference,
+    fp32_bounds,
+    ragged_examples,
+    tiny_model,
+)
 
+LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = fp32_bounds(48)  # the packed rows of _documents_errors
 WINDOWS = (5, 20)  # padded sequences of 72 tokens: chunks of 36, 18, 12, 9 tokens for CP 1..4
 
 
@@ -53,10 +61,10 @@ def _documents_errors(rank: int, world: int, window: int) -> dict[str, float]:
     """Packed documents and a window: each document alone through the windowed one-process model."""
     collator = RingDataCollator(rank, world, pad_token_id=0, max_length=48, packing=True)
     lengths = [19, 13, 9, 5]  # boundaries 19, 32, 41, 46 (+2 pad): across and on chunk edges
-    examples = _examples(lengths, 11)
+    examples = document_examples(lengths, 11)
     base = tiny_model("mistral", sliding_window=window)
     model = apply_ring_attention(copy.deepcopy(base))
-    ref_logits, ref_loss = _reference(base, examples)
+    ref_logits, ref_loss = documents_reference(base, examples)
     out = model(**collator(examples))
     out.loss.backward()
     loss = out.loss.detach().clone()
@@ -116,7 +124,7 @@ def mistral_window_worker(rank: int, world: int) -> dict[str, float]:
     for window in WINDOWS:
         ref = tiny_model("mistral", sliding_window=window)
         model = apply_ring_attention(copy.deepcopy(ref))
-        errors.update(_compare(model, ref, batch, full, rank, world, f"mistral-w{window}"))
+        errors.update(compare_with_reference(model, ref, batch, full, rank, world, f"mistral-w{window}"))
     errors.update(_documents_errors(rank, world, 6))
     errors.update(_decode_errors(rank, world))
     return errors
