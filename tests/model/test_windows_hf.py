@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.ops.spawn import run_distributed
-from tests.ops.window_checks import check_window_results, window_worker
+from tests.ops.window_checks import ULYSSES_REL, check_window_results, ulysses_window_worker, window_worker
 from tests.tiny_models import (
     VOCAB,
     compare_with_reference,
@@ -108,9 +108,11 @@ def _decode_errors(rank: int, world: int) -> dict[str, float]:
     }
 
 
-def windows_worker(rank: int, world: int) -> tuple[dict, dict[str, float]]:
-    """The operator-level checks of tests/ops/test_windows.py and the Mistral checks, one spawn."""
-    return window_worker(rank, world), mistral_window_worker(rank, world)
+def windows_worker(rank: int, world: int) -> tuple[dict, dict[str, float], dict[str, float]]:
+    """The operator-level checks of tests/ops/test_windows.py, the Mistral checks and (4 ranks)
+    windows through Ulysses 2 x ring 2, one spawn."""
+    ulysses = ulysses_window_worker(rank, world) if world == 4 else {}
+    return window_worker(rank, world), mistral_window_worker(rank, world), ulysses
 
 
 def mistral_window_worker(rank: int, world: int) -> dict[str, float]:
@@ -135,7 +137,8 @@ def mistral_window_worker(rank: int, world: int) -> dict[str, float]:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_windowed_ring_matches_oracles(world):
     """The windowed ring operator against fp64 windowed attention (tests/ops/test_windows.py's
-    worker: out/lse/dq/dk/dv, K/V traffic) and Mistral with windows against one process."""
+    worker: out/lse/dq/dk/dv, K/V traffic), the same through Ulysses 2 x ring 2 (4 ranks), and
+    Mistral with windows against one process."""
     limits = {
         "loss": 1e-6,
         "logits": 1e-5,
@@ -146,8 +149,12 @@ def test_windowed_ring_matches_oracles(world):
         "tokens_differ": 0.0,
     }
     results = run_distributed(windows_worker, world, timeout=240)
-    check_window_results([ops for ops, _ in results], world)
-    for _, errors in results:
+    check_window_results([ops for ops, _, _ in results], world)
+    for rank, (_, _, ulysses) in enumerate(results):
+        for name, err in ulysses.items():
+            assert err <= ULYSSES_REL, f"CP={world} rank {rank} {name}: {err:.2e} > {ULYSSES_REL:.1e}"
+    assert world != 4 or all(len(u) == 4 for _, _, u in results)
+    for _, errors, _ in results:
         for name, err in errors.items():
             limit = limits[name.split("/")[1]]
             assert err <= limit, f"CP={world} {name}: {err:.2e} > {limit:.1e}"

@@ -136,3 +136,38 @@ def check_window_results(results: list[dict], world: int) -> None:
             if w <= c:  # one chunk of history: only the neighbours, at most one chunk each way
                 assert all(abs(p - rank) == 1 for p, _, _ in fwd), tag
                 assert sum(n for _, n, _ in fwd) <= 2 * 2 * c * hkv * DIM * 2, tag
+
+
+# The Ulysses x ring operator hands the window to the ring unchanged; its ring is zigzag over the
+# ring group with head shards. fp32 sums over <= g * S terms for dk/dv (GQA group g = 2), D in the
+# dot products and <= 2 * cp merges, x2 for the backward (tests/ops/test_ulysses.py's bound).
+ULYSSES_REL = (2 * SEQ + DIM + 8) * EPS32 * 2
+
+
+def ulysses_window_worker(rank: int, world: int, ulysses: int = 2) -> dict[str, float]:
+    """Windows (shorter than, straddling and longer than a ring chunk; with and without packed
+    documents) through ``ulysses_ring_attention`` on ``ulysses x (world / ulysses)``: this rank's
+    largest error of out, lse, dq, dk, dv against the fp64 windowed oracle, per window."""
+    from ringft.ops.cp_sharding import cp_shard
+    from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.ulysses import ulysses_ring_attention
+
+    layout = build_hybrid_layout(world, ulysses)
+
+    def shard(t, dim=1):
+        return cp_shard(t, layout.cp_rank, world, ulysses, dim=dim).detach().clone()
+
+    errors = {}
+    for i, (w, cu) in enumerate(((1, DOCS), (5, None), (13, DOCS), (30, None))):
+        q, k, v, dout = inputs(300 + i, hq=4, hkv=2)
+        ref = oracle(q, k, v, dout, w, cu)
+        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        out, lse = ulysses_ring_attention(
+            ql, kl, vl, groups=layout.groups, backend="torch", return_lse=True, cu_seqlens=cu,
+            sliding_window=w,
+        )  # fmt: skip
+        out.backward(shard(dout))
+        got = (out, lse, ql.grad, kl.grad, vl.grad)
+        want = (shard(ref[0]), shard(ref[1], dim=2), *(shard(g) for g in ref[2:]))
+        errors[f"ulysses{ulysses}-w{w}{'-docs' if cu else ''}"] = max(rel(g, r) for g, r in zip(got, want))
+    return errors
