@@ -94,10 +94,11 @@ def fp32_bounds(seq: int) -> tuple[float, float, float]:
     return path * eps, (path + VOCAB + seq) * eps, 2 * path * eps
 
 
-def compare_with_reference(model, ref, batch, full, rank, world, tag) -> dict[str, float]:
+def compare_with_reference(model, ref, batch, full, rank, world, tag, group=None) -> dict[str, float]:
     """A CP rank's ``model(**batch)`` (loss, logits gathered over the group, gradients summed over
     it) against the one-process ``ref`` on the whole ``full`` batch: absolute loss and logits
-    errors, and the largest gradient error relative to each parameter's largest entry."""
+    errors, and the largest gradient error relative to each parameter's largest entry. ``group``: the
+    CP group (default: the world)."""
     import torch.distributed as dist
 
     from ringft import zigzag_gather
@@ -113,8 +114,8 @@ def compare_with_reference(model, ref, batch, full, rank, world, tag) -> dict[st
     )
     ref_out.loss.backward()
     loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    logits = zigzag_gather(out.logits.detach())
+    dist.all_reduce(loss, group=group)
+    logits = zigzag_gather(out.logits.detach(), group=group)
     errors = {
         f"{tag}/loss": (loss - ref_out.loss).abs().item(),
         f"{tag}/logits": (logits - ref_out.logits).abs().max().item(),
@@ -125,7 +126,7 @@ def compare_with_reference(model, ref, batch, full, rank, world, tag) -> dict[st
     assert [a for a, _ in trained] == [a for a, _ in ref_trained] and trained
     for (_, p), (_, pr) in zip(trained, ref_trained):
         grad = p.grad.detach().clone()
-        dist.all_reduce(grad)  # each CP rank holds a partial gradient of the same replica
+        dist.all_reduce(grad, group=group)  # each CP rank holds a partial gradient of the same replica
         worst = max(worst, ((grad - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)).item())
     errors[f"{tag}/grad"] = worst
     return errors

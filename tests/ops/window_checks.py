@@ -44,12 +44,13 @@ def rel(x, ref):
     return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
 
-def window_worker(rank: int, world: int) -> dict:
+def window_worker(rank: int, world: int, group=None, single=None) -> dict:
     """Every config on this rank: errors against the oracle (and the one-process bf16 baseline),
     the K/V traffic (counted sends), and whether windows >= S equal no window bit for bit."""
     import torch.distributed as dist
 
-    single = [dist.new_group([r]) for r in range(world)][rank]  # this rank alone: one process
+    if single is None:  # this rank alone: one process (every rank creates every group)
+        single = [dist.new_group([r]) for r in range(world)][rank]
     real, sent = dist.batch_isend_irecv, []
 
     def counting(ops):
@@ -71,7 +72,7 @@ def window_worker(rank: int, world: int) -> dict:
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
         sent.clear()
         out, lse = zigzag_ring_attention(
-            ql, kl, vl, backend=backend, return_lse=True, cu_seqlens=cu, sliding_window=w
+            ql, kl, vl, backend=backend, return_lse=True, cu_seqlens=cu, sliding_window=w, group=group
         )
         forward_sent = list(sent)
         out.backward(shard(dout))
@@ -103,8 +104,8 @@ def window_worker(rank: int, world: int) -> dict:
     q, k, v, _ = (shard(t) for t in inputs(7))
     same = all(
         torch.equal(
-            zigzag_ring_attention(q, k, v, sliding_window=w, cu_seqlens=cu),
-            zigzag_ring_attention(q, k, v, cu_seqlens=cu),
+            zigzag_ring_attention(q, k, v, sliding_window=w, cu_seqlens=cu, group=group),
+            zigzag_ring_attention(q, k, v, cu_seqlens=cu, group=group),
         )
         for w in (SEQ, SEQ + 5)
         for cu in (None, DOCS)
