@@ -5,13 +5,17 @@ by module path, so every helper a worker may call is a plain function in a plain
 test module: no test module imports another one, tests/test_architecture.py checks it):
 
 - tests/tiny_models.py: ``tiny_model`` (2-layer LLaMA / Mistral, vocabulary ``VOCAB`` = 96, eager),
-  ``ragged_examples``, ``save_tiny_model`` (1-layer LLaMA + demo tokenizer, saved);
+  ``ragged_examples``, ``save_tiny_model`` (1-layer LLaMA + demo tokenizer, saved),
+  ``compare_with_reference`` (a CP rank's run vs one process), ``document_examples`` /
+  ``documents_reference`` (packed documents, each alone through the model);
+- tests/model/family_models.py: a tiny model of every supported family; tests/ops/window_checks.py:
+  the windowed ring operator's inputs, fp64 oracle and distributed check;
 - tests/tiny_training.py: ``tiny_recipe`` (the raw recipe of the trainer tests), its tolerances
   ``LOSS_RTOL`` / ``UPDATE_RTOL`` (derived there), ``save_random_tokens``, and the weight comparisons
   ``final_weights`` / ``initial_weights`` / ``assert_updates_close`` / ``assert_weights_equal``;
 - tests/workers.py: the ranks' side: ``one_thread``, ``fresh_group`` (a fresh process group after a
   Trainer ended its own), ``inject_kill``, ``train_runs``;
-- tests/oracle.py: fp64 attention oracles; tests/real_model.py: the SmolLM2-135M weights.
+- tests/oracle.py: fp64 attention oracles; tests/real_model.py: the SmolLM2-135M and Gemma 3 270M weights.
 
 The fixtures below are built once per session, and only for the tests that ask for them (no
 per-test cost for the others).

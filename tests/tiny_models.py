@@ -5,7 +5,10 @@
 - :func:`ragged_examples`: three examples of ragged lengths over that vocabulary, one with a masked
   prompt;
 - :func:`save_tiny_model`: a 1-layer LLaMA with the shipped "demo" tokenizer, saved as a pretrained
-  folder (what ``ringft eval-lines`` and ``RingInference`` load).
+  folder (what ``ringft eval-lines`` and ``RingInference`` load);
+- :func:`compare_with_reference`: a CP rank's run of a patched model against the one-process model;
+- :func:`document_examples` / :func:`documents_reference`: packed-document examples and each
+  document alone through the unmodified model.
 """
 
 from __future__ import annotations
@@ -89,3 +92,71 @@ def fp32_bounds(seq: int) -> tuple[float, float, float]:
     eps = torch.finfo(torch.float32).eps
     path = 2 * (64 + seq + 64 + 64 + 96) + 64
     return path * eps, (path + VOCAB + seq) * eps, 2 * path * eps
+
+
+def compare_with_reference(model, ref, batch, full, rank, world, tag, group=None) -> dict[str, float]:
+    """A CP rank's ``model(**batch)`` (loss, logits gathered over the group, gradients summed over
+    it) against the one-process ``ref`` on the whole ``full`` batch: absolute loss and logits
+    errors, and the largest gradient error relative to each parameter's largest entry. ``group``: the
+    CP group (default: the world)."""
+    import torch.distributed as dist
+
+    from ringft import zigzag_gather
+
+    out = model(**batch)
+    out.loss.backward()
+    n = int((full["shift_labels"] != -100).sum())
+    ref_out = ref(
+        input_ids=full["input_ids"],
+        labels=full["shift_labels"],
+        shift_labels=full["shift_labels"],
+        num_items_in_batch=n,
+    )
+    ref_out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    logits = zigzag_gather(out.logits.detach(), group=group)
+    errors = {
+        f"{tag}/loss": (loss - ref_out.loss).abs().item(),
+        f"{tag}/logits": (logits - ref_out.logits).abs().max().item(),
+    }
+    worst = 0.0
+    trained = [(n_, p) for n_, p in model.named_parameters() if p.requires_grad]
+    ref_trained = [(n_, p) for n_, p in ref.named_parameters() if p.requires_grad]
+    assert [a for a, _ in trained] == [a for a, _ in ref_trained] and trained
+    for (_, p), (_, pr) in zip(trained, ref_trained):
+        grad = p.grad.detach().clone()
+        dist.all_reduce(grad, group=group)  # each CP rank holds a partial gradient of the same replica
+        worst = max(worst, ((grad - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)).item())
+    errors[f"{tag}/grad"] = worst
+    return errors
+
+
+def document_examples(lengths: list[int], seed: int) -> list[dict]:
+    """Random documents of ``lengths`` tokens in ``1..VOCAB-1``; every third (from the second) has
+    its first half as a prompt (labels -100)."""
+    import random
+
+    gen = random.Random(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = [gen.randrange(1, VOCAB) for _ in range(n)]
+        labels = list(ids)
+        if i % 3 == 1 and n > 2:
+            labels[: n // 2] = [-100] * (n // 2)  # an SFT prompt that is not trained on
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def documents_reference(ref, examples) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each document alone through the unmodified model; loss = all token losses / all targets."""
+    total = sum(sum(x != -100 for x in ex["labels"][1:]) for ex in examples)
+    logits, loss = [], torch.zeros(())
+    for ex in examples:
+        ids = torch.tensor([ex["input_ids"]])
+        shift = torch.tensor([ex["labels"][1:] + [-100]])
+        out = ref(input_ids=ids, labels=shift, shift_labels=shift, num_items_in_batch=total)
+        logits.append(out.logits[0].detach())
+        loss = loss + out.loss
+    loss.backward()
+    return logits, loss.detach()

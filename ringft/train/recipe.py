@@ -82,8 +82,7 @@ class ModelConfig(Section):
             if not isinstance(kind, str):
                 raise RecipeError(
                     "model.rope_scaling must be a mapping with a rope_type (e.g. "
-                    "{rope_type: yarn, factor: 4.0}) "
-                    f"or null, got {self.rope_scaling!r}"
+                    f"{{rope_type: yarn, factor: 4.0}}) or null, got {self.rope_scaling!r}"
                 )
         sw = self.sliding_window
         if not (sw is None or sw == "keep" or (isinstance(sw, int) and not isinstance(sw, bool) and sw >= 1)):

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from ringft.ops.spawn import run_distributed
-from tests.evals.test_eval_lines import FP32_EPS
 
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -50,6 +49,7 @@ FAMILIES = {  # model_type, config, chat template, turn markers (the last one en
     ),
 }
 LENGTH = 256
+FP32_EPS = torch.finfo(torch.float32).eps
 LOGIT_TERMS = LENGTH + 64  # as test_eval_lines.py: keys + features behind a logit (1..2 layers)
 
 

@@ -1,11 +1,11 @@
 """Tiny random models of every supported family, for the ring-vs-transformers tests.
 
 Each entry of :data:`FAMILY_CONFIGS` is ``(model_type, config kwargs)`` exercising what the family
-hands (or does around) the attention call: q/k/v bias (Qwen2), YaRN (Qwen2.5's long-context
-config), per-head q/k norm and ``head_dim != hidden / heads`` (Qwen3), ``query_pre_attn_scalar``,
-head_dim 32 with hidden 64 / 4 heads, local and global layers with their own RoPE bases and linear
-scaling on the global layers (Gemma 3, as its 4B/12B configs), a fused ``qkv_proj`` (Phi-3), q/k norm
-over all heads (OLMo 2).
+hands (or does around) the attention call: Llama 3.1's ``llama3`` RoPE (LLaMA), q/k/v bias (Qwen2),
+YaRN (Qwen2.5's long-context config), per-head q/k norm and ``head_dim != hidden / heads`` (Qwen3),
+``query_pre_attn_scalar``, head_dim 32 with hidden 64 / 4 heads, local and global layers with their
+own RoPE bases and linear scaling on the global layers (Gemma 3, as its 4B/12B configs), a fused
+``qkv_proj`` (Phi-3), q/k norm over all heads (OLMo 2).
 """
 
 from __future__ import annotations
@@ -32,6 +32,19 @@ GEMMA3_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
 }
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": (
+        "llama",
+        {
+            "rope_parameters": {  # Llama 3.1's RoPE type, with a short original length so it bites
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 500_000.0,
+            }
+        },
+    ),
     "qwen2": ("qwen2", {}),
     "qwen2-yarn": (
         "qwen2",

@@ -13,7 +13,6 @@ masking, position or label mistake is O(1e-1) relative.
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.data.packer import pack_rows
 from ringft.ops.spawn import run_distributed
-from tests.tiny_models import VOCAB, fp32_bounds, tiny_model
+from tests.tiny_models import document_examples, documents_reference, fp32_bounds, tiny_model
 
 SEQ = 48  # packed row length: a multiple of 2N for N = 1..4 (chunks of 24, 12, 8, 6)
 LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = fp32_bounds(SEQ)  # tests/tiny_models.py derives them
@@ -36,32 +35,6 @@ LAYOUTS = {
 }
 
 
-def _examples(lengths: list[int], seed: int) -> list[dict]:
-    gen = random.Random(seed)
-    out = []
-    for i, n in enumerate(lengths):
-        ids = [gen.randrange(1, VOCAB) for _ in range(n)]
-        labels = list(ids)
-        if i % 3 == 1 and n > 2:
-            labels[: n // 2] = [-100] * (n // 2)  # an SFT prompt that is not trained on
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def _reference(ref, examples) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each document alone through the unmodified model; loss = all token losses / all targets."""
-    total = sum(sum(x != -100 for x in ex["labels"][1:]) for ex in examples)
-    logits, loss = [], torch.zeros(())
-    for ex in examples:
-        ids = torch.tensor([ex["input_ids"]])
-        shift = torch.tensor([ex["labels"][1:] + [-100]])
-        out = ref(input_ids=ids, labels=shift, shift_labels=shift, num_items_in_batch=total)
-        logits.append(out.logits[0].detach())
-        loss = loss + out.loss
-    loss.backward()
-    return logits, loss.detach()
-
-
 def documents_worker(rank: int, world: int) -> dict[str, float]:
     from peft import LoraConfig, get_peft_model
 
@@ -73,7 +46,7 @@ def documents_worker(rank: int, world: int) -> dict[str, float]:
         ("lora-straddle", "lora", LAYOUTS["straddle"]),
     ]
     for seed, (name, kind, lengths) in enumerate(cases):
-        examples = _examples(lengths, seed)
+        examples = document_examples(lengths, seed)
         base = tiny_model("mistral" if kind == "mistral" else "llama")
         if kind == "lora":
             lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -81,7 +54,7 @@ def documents_worker(rank: int, world: int) -> dict[str, float]:
             torch.manual_seed(5)
             base = get_peft_model(base, lora)
         model = apply_ring_attention(copy.deepcopy(base))
-        ref_logits, ref_loss = _reference(base, examples)
+        ref_logits, ref_loss = documents_reference(base, examples)
         out = model(**collator(examples))
         rows = collator.last_rows  # documents are reordered inside a row to balance the ranks
         out.loss.backward()
@@ -118,7 +91,7 @@ def test_packed_documents_match_each_document_alone(world):
 
 
 def test_packing_collator_layout():
-    examples = _examples([30, 25, 20, 10, 5], 0)
+    examples = document_examples([30, 25, 20, 10, 5], 0)
     collator = RingDataCollator(0, 1, pad_token_id=0, max_length=SEQ, packing=True)
     full = collator.global_batch(examples)
     assert full["input_ids"].shape == (2, SEQ)  # {30, 10, 5} and {25, 20}

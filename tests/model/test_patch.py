@@ -16,37 +16,7 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention, zigzag_gather
 from ringft.ops.spawn import run_distributed
-from tests.tiny_models import VOCAB, ragged_examples, tiny_model
-
-
-def _compare(model, ref, batch, full, rank, world, tag):
-    out = model(**batch)
-    out.loss.backward()
-    n = int((full["shift_labels"] != -100).sum())
-    ref_out = ref(
-        input_ids=full["input_ids"],
-        labels=full["shift_labels"],
-        shift_labels=full["shift_labels"],
-        num_items_in_batch=n,
-    )
-    ref_out.loss.backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    logits = zigzag_gather(out.logits.detach())
-    errors = {
-        f"{tag}/loss": (loss - ref_out.loss).abs().item(),
-        f"{tag}/logits": (logits - ref_out.logits).abs().max().item(),
-    }
-    worst = 0.0
-    trained = [(n_, p) for n_, p in model.named_parameters() if p.requires_grad]
-    ref_trained = [(n_, p) for n_, p in ref.named_parameters() if p.requires_grad]
-    assert [a for a, _ in trained] == [a for a, _ in ref_trained] and trained
-    for (_, p), (_, pr) in zip(trained, ref_trained):
-        grad = p.grad.detach().clone()
-        dist.all_reduce(grad)  # each CP rank holds a partial gradient of the same replica
-        worst = max(worst, ((grad - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)).item())
-    errors[f"{tag}/grad"] = worst
-    return errors
+from tests.tiny_models import VOCAB, compare_with_reference, ragged_examples, tiny_model
 
 
 def equivalence_worker(rank: int, world: int) -> dict[str, float]:
@@ -62,7 +32,7 @@ def equivalence_worker(rank: int, world: int) -> dict[str, float]:
         ref = tiny_model(kind, **overrides)
         model = apply_ring_attention(copy.deepcopy(ref))
         tag = kind + ("-window" if overrides else "")
-        errors.update(_compare(model, ref, batch, full, rank, world, tag))
+        errors.update(compare_with_reference(model, ref, batch, full, rank, world, tag))
 
     # Gradient checkpointing on both sides: same gradients.
     examples = ragged_examples(4)
@@ -72,7 +42,7 @@ def equivalence_worker(rank: int, world: int) -> dict[str, float]:
     for m in (model, ref):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
-    errors.update(_compare(model, ref, batch, full, rank, world, "llama-ckpt"))
+    errors.update(compare_with_reference(model, ref, batch, full, rank, world, "llama-ckpt"))
 
     # LoRA (peft) on q/k/v/o: LoRA gradients match the one-process LoRA model.
     from peft import LoraConfig, get_peft_model
@@ -88,7 +58,7 @@ def equivalence_worker(rank: int, world: int) -> dict[str, float]:
     torch.manual_seed(5)
     ref = get_peft_model(base, lora)
     model = apply_ring_attention(copy.deepcopy(ref))
-    errors.update(_compare(model, ref, batch, full, rank, world, "llama-lora"))
+    errors.update(compare_with_reference(model, ref, batch, full, rank, world, "llama-lora"))
     errors.update(_autocast_errors(collator, rank, world))
     errors["gathers/forward+backward"] = _count_all_gathers(collator)
     return errors

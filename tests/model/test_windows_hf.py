@@ -19,11 +19,29 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.ops.spawn import run_distributed
-from tests.model.test_documents_hf import GRAD_RTOL, LOGITS_RTOL, LOSS_RTOL, _examples, _reference
-from tests.model.test_patch import VOCAB, _compare, ragged_examples, tiny_model
-from tests.ops.test_windows import check_window_results, window_worker
+from tests.ops.window_checks import ULYSSES_REL, check_window_results, ulysses_window_worker, window_worker
+from tests.tiny_models import (
+    VOCAB,
+    compare_with_reference,
+    document_examples,
+    documents_reference,
+    fp32_bounds,
+    ragged_examples,
+    tiny_model,
+)
 
+LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = fp32_bounds(48)  # the packed rows of _documents_errors
+CP_SIZES = (1, 2, 3, 4)  # one spawn of 4 processes; the CP group of size N is ranks 0..N-1
 WINDOWS = (5, 20)  # padded sequences of 72 tokens: chunks of 36, 18, 12, 9 tokens for CP 1..4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny fp64 problems in this process: a second thread only adds barriers (3x the CPU time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.numerics
@@ -49,19 +67,19 @@ def test_window_convention_is_transformers_mask():
             torch.testing.assert_close(got, want, atol=1e-12, rtol=0, msg=f"window {window}, N={world}")
 
 
-def _documents_errors(rank: int, world: int, window: int) -> dict[str, float]:
+def _documents_errors(rank: int, world: int, window: int, group) -> dict[str, float]:
     """Packed documents and a window: each document alone through the windowed one-process model."""
     collator = RingDataCollator(rank, world, pad_token_id=0, max_length=48, packing=True)
     lengths = [19, 13, 9, 5]  # boundaries 19, 32, 41, 46 (+2 pad): across and on chunk edges
-    examples = _examples(lengths, 11)
+    examples = document_examples(lengths, 11)
     base = tiny_model("mistral", sliding_window=window)
-    model = apply_ring_attention(copy.deepcopy(base))
-    ref_logits, ref_loss = _reference(base, examples)
+    model = apply_ring_attention(copy.deepcopy(base), group)
+    ref_logits, ref_loss = documents_reference(base, examples)
     out = model(**collator(examples))
     out.loss.backward()
     loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    logits = zigzag_gather(out.logits.detach())
+    dist.all_reduce(loss, group=group)
+    logits = zigzag_gather(out.logits.detach(), group=group)
     worst, scale = 0.0, max(x.abs().max().item() for x in ref_logits)
     for row, members in enumerate(collator.last_rows):
         at = 0
@@ -71,7 +89,7 @@ def _documents_errors(rank: int, world: int, window: int) -> dict[str, float]:
     grad_err = 0.0
     for (_, p), (_, pr) in zip(model.named_parameters(), base.named_parameters()):
         grad = p.grad.detach().clone()
-        dist.all_reduce(grad)
+        dist.all_reduce(grad, group=group)
         grad_err = max(grad_err, ((grad - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)).item())
     tag = f"docs-w{window}"
     return {
@@ -81,12 +99,12 @@ def _documents_errors(rank: int, world: int, window: int) -> dict[str, float]:
     }
 
 
-def _decode_errors(rank: int, world: int) -> dict[str, float]:
+def _decode_errors(rank: int, world: int, group) -> dict[str, float]:
     """RingInference with a window shorter than the prompt: greedy tokens and logits vs generate."""
     from ringft.model.inference import RingInference
 
     ref = tiny_model("mistral", sliding_window=8).eval()
-    engine = RingInference(copy.deepcopy(ref), None, "torch")
+    engine = RingInference(copy.deepcopy(ref), group, "torch")
     prompt = torch.randint(1, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     first = engine.prefill(prompt)
     engine.reset()
@@ -100,12 +118,27 @@ def _decode_errors(rank: int, world: int) -> dict[str, float]:
     }
 
 
-def windows_worker(rank: int, world: int) -> tuple[dict, dict[str, float]]:
-    """The operator-level checks of tests/ops/test_windows.py and the Mistral checks, one spawn."""
-    return window_worker(rank, world), mistral_window_worker(rank, world)
+def windows_worker(rank: int, world: int) -> dict[int, tuple[dict, dict[str, float], dict[str, float]]]:
+    """For each CP size N of CP_SIZES (the group of ranks 0..N-1; the others wait): the
+    operator-level checks of tests/ops/test_windows.py and the Mistral checks; at N = 4 (the
+    world) windows through Ulysses 2 x ring 2 too. One spawn: starting processes costs more than
+    the checks."""
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    out = {}
+    for size in CP_SIZES:
+        group = dist.new_group(list(range(size)))
+        if rank < size:
+            ulysses = ulysses_window_worker(rank, size) if size == world else {}
+            out[size] = (
+                window_worker(rank, size, group, singles[rank]),
+                mistral_window_worker(rank, size, group),
+                ulysses,
+            )
+        dist.barrier()
+    return out
 
 
-def mistral_window_worker(rank: int, world: int) -> dict[str, float]:
+def mistral_window_worker(rank: int, world: int, group=None) -> dict[str, float]:
     """Mistral with windows shorter and longer than a chunk, packed documents with a window and
     windowed decoding: errors against the one-process model."""
     errors: dict[str, float] = {}
@@ -115,19 +148,20 @@ def mistral_window_worker(rank: int, world: int) -> dict[str, float]:
     assert full["input_ids"].shape[1] == 72
     for window in WINDOWS:
         ref = tiny_model("mistral", sliding_window=window)
-        model = apply_ring_attention(copy.deepcopy(ref))
-        errors.update(_compare(model, ref, batch, full, rank, world, f"mistral-w{window}"))
-    errors.update(_documents_errors(rank, world, 6))
-    errors.update(_decode_errors(rank, world))
+        model = apply_ring_attention(copy.deepcopy(ref), group)
+        tag = f"mistral-w{window}"
+        errors.update(compare_with_reference(model, ref, batch, full, rank, world, tag, group))
+    errors.update(_documents_errors(rank, world, 6, group))
+    errors.update(_decode_errors(rank, world, group))
     return errors
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_windowed_ring_matches_oracles(world):
+@pytest.mark.timeout(540)
+def test_windowed_ring_matches_oracles():
     """The windowed ring operator against fp64 windowed attention (tests/ops/test_windows.py's
-    worker: out/lse/dq/dk/dv, K/V traffic) and Mistral with windows against one process."""
+    worker: out/lse/dq/dk/dv, K/V traffic), the same through Ulysses 2 x ring 2 (4 ranks), and
+    Mistral with windows against one process."""
     limits = {
         "loss": 1e-6,
         "logits": 1e-5,
@@ -137,9 +171,15 @@ def test_windowed_ring_matches_oracles(world):
         "grad_rel": GRAD_RTOL,
         "tokens_differ": 0.0,
     }
-    results = run_distributed(windows_worker, world, timeout=240)
-    check_window_results([ops for ops, _ in results], world)
-    for _, errors in results:
-        for name, err in errors.items():
-            limit = limits[name.split("/")[1]]
-            assert err <= limit, f"CP={world} {name}: {err:.2e} > {limit:.1e}"
+    per_rank = run_distributed(windows_worker, max(CP_SIZES), timeout=480)
+    for world in CP_SIZES:
+        results = [per_rank[rank][world] for rank in range(world)]
+        check_window_results([ops for ops, _, _ in results], world)
+        for rank, (_, _, ulysses) in enumerate(results):
+            for name, err in ulysses.items():
+                assert err <= ULYSSES_REL, f"CP={world} rank {rank} {name}: {err:.2e} > {ULYSSES_REL:.1e}"
+        assert world != 4 or all(len(u) == 4 for _, _, u in results)
+        for _, errors, _ in results:
+            for name, err in errors.items():
+                limit = limits[name.split("/")[1]]
+                assert err <= limit, f"CP={world} {name}: {err:.2e} > {limit:.1e}"

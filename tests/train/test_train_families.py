@@ -4,6 +4,8 @@ trained on the ring (CP = 2) equal to the same steps data-parallel (CP = 1)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -11,17 +13,16 @@ from ringft.model.families import SUPPORTED_MODEL_TYPES, layer_windows
 from ringft.ops.spawn import run_distributed
 from ringft.train.build import model_config, prepare_for_training
 from ringft.train.recipe import MODEL_TYPES, RecipeError, recipe_from_dict
-from tests.train.test_trainer import (
+from tests.tiny_training import (
     LOSS_RTOL,
     RUN_TIMEOUT,
     UPDATE_RTOL,
-    _train_runs,
     assert_updates_close,
-    data_path,  # noqa: F401  (a pytest fixture)
     final_weights,
     initial_weights,
     tiny_recipe,
 )
+from tests.workers import train_runs
 
 GEMMA3 = {
     "model_type": "gemma3_text",
@@ -115,16 +116,19 @@ def test_lora_targets_are_checked_by_name(tmp_path):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-def test_windowed_gemma3_trains_on_the_ring_as_data_parallel(tmp_path, data_path):  # noqa: F811
-    """Gemma 3 with a window of 24 on its local layer, sequences of 64: (cp 2) on 2 processes ==
-    (dp 2, cp 1) on the same 2 processes (the same global batch of 2 rows per step). Same bounds as
+def test_windowed_gemma3_trains_on_the_ring_as_data_parallel(tmp_path, data_path):
+    """Gemma 3 with its config's window of 24 replaced by the recipe's ``model.sliding_window: 13``
+    on its local layer (shorter than the ring's chunks of 16 tokens, so windows straddle chunk
+    edges), sequences of 64: (cp 2) on 2 processes == (dp 2, cp 1) on the same 2 processes (the same
+    global batch of 2 rows per step), and the exported config keeps the window. Same bounds as
     test_trainer's dp x cp test: per-step losses within reordered fp32 sums, updates within AdamW's
     pass-through of those relative errors over the steps."""
     train = {"micro_batch_size": 2, "chunked_loss": True}
-    ring = tiny_recipe(tmp_path / "cp2", data_path, model=GEMMA3, parallel={"cp_size": 2}, train=train)
-    dp = tiny_recipe(tmp_path / "dp2", data_path, model=GEMMA3, train={**train, "micro_batch_size": 1})
+    model = {**GEMMA3, "sliding_window": 13}
+    ring = tiny_recipe(tmp_path / "cp2", data_path, model=model, parallel={"cp_size": 2}, train=train)
+    dp = tiny_recipe(tmp_path / "dp2", data_path, model=model, train={**train, "micro_batch_size": 1})
     got = run_distributed(
-        _train_runs, 2, [{"recipe": ring}, {"recipe": dp}], str(tmp_path), timeout=RUN_TIMEOUT
+        train_runs, 2, [{"recipe": ring}, {"recipe": dp}], str(tmp_path), timeout=RUN_TIMEOUT
     )
     for rank in range(2):
         assert got[rank][0]["losses"] == pytest.approx(got[rank][1]["losses"], rel=LOSS_RTOL), rank
@@ -132,3 +136,5 @@ def test_windowed_gemma3_trains_on_the_ring_as_data_parallel(tmp_path, data_path
         final_weights(tmp_path / "cp2"), final_weights(tmp_path / "dp2"), initial_weights(dp), UPDATE_RTOL
     )
     assert torch.isfinite(torch.tensor(got[0][0]["losses"])).all()
+    exported = json.loads((tmp_path / "cp2" / "final" / "config.json").read_text())
+    assert exported["sliding_window"] == 13 and exported["layer_types"] == GEMMA3["config"]["layer_types"]
