@@ -3,8 +3,9 @@
 Each world size is spawned once (gloo, CPU); inside, every (ulysses, ring) factorisation of it runs
 every config: GQA with K/V heads fewer than, equal to and more than ``ulysses_size`` (and not
 dividing it: replicated K/V heads), causal, bidirectional, packed documents and a sliding window
-over packed documents, fp32 and bf16, out, lse and dq/dk/dv. The ranks return their shards; the parent unshards them with ``cp_unshard`` and
-compares with the oracle. ``ulysses_size = 1`` must equal today's ring bit for bit.
+over packed documents, fp32 and bf16, out, lse and dq/dk/dv. The ranks return their shards; the
+parent unshards them with ``cp_unshard`` and compares with the oracle. ``ulysses_size = 1`` must
+equal today's ring bit for bit.
 
 Tolerances (max-abs error relative to the oracle's max-abs):
 - fp32: the all-to-alls move data exactly, so the error is the ring's on the ring shard: fp32
