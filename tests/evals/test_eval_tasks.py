@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.evals.test_eval_lines import save_tiny_model
+from tests.tiny_models import save_tiny_model
 
 BASE = ["--dtype", "fp32", "--backend", "torch", "--no-progress"]
 TEXT = "The lighthouse keeper climbed the stairs at dusk and wrote the weather in her logbook. " * 12
