@@ -374,3 +374,17 @@ def test_figures_red_to_green_heatmap_and_ppl_labelled_a_sanity_check(folder, mo
     assert variants == {"model", "baseline", "baseline-window"}  # base in full and in its window
     for name in ("nll_by_position.csv", "ppl.png", "summary.json", "results.jsonl"):
         assert (out / name).is_file(), name
+
+
+def test_short_regression_flag_at_the_stated_threshold():
+    """eval-short flags a perplexity rise strictly above --max-ppl-increase percent, never a fall."""
+    from ringft.evals.short import regression_verdict
+
+    for base, model, limit, increase, flagged in (
+        (10.0, 10.5, 5.0, 5.0, False),
+        (10.0, 10.6, 5.0, 6.0, True),
+        (10.0, 6.0, 0.0, -40.0, False),
+        (10.0, 10.01, 0.0, 0.1, True),
+    ):
+        got = regression_verdict(base, model, limit)
+        assert got[0] == pytest.approx(increase) and got[1] is flagged, (base, model, limit, got)
