@@ -84,6 +84,7 @@ class NiahTask(GenerationTask):
             for task in tasks
         ]
         heads = [f"{d:.0%}" for d in depths]
+        per_cell = f"{ctx.args.samples} sample{'s' if ctx.args.samples != 1 else ''} per cell"
         heatmaps(
             folder / "heatmap.png",
             panels,
@@ -93,11 +94,11 @@ class NiahTask(GenerationTask):
             ylabel="sequence tokens",
             colorbar="score (greedy generation)",
             vmax=100,
-            title=f"{model_name(ctx.args.model)}: needle retrieval, {ctx.args.samples} samples per cell",
+            title=f"{model_name(ctx.args.model)}: needle retrieval\n{per_cell}",
         )
         lines = [
             f"Needle retrieval, {ctx.args.model} (dp={layout.dp_size} x cp={layout.cp_size}); "
-            f"score = % correct by greedy generation, {ctx.args.samples} samples per cell."
+            f"score = % correct by greedy generation, {per_cell}."
         ]
         for task, grid in panels:
             lines += ["", f"{task}:", "", "| tokens \\ depth | " + " | ".join(heads) + " | all |"]

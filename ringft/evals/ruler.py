@@ -88,7 +88,8 @@ class RulerTask(GenerationTask):
         heads = [format_length(n) for n in lengths]
         lines = [
             f"RULER, {args.model} (dp={layout.dp_size} x cp={layout.cp_size}): score per task "
-            f"(% of references found, greedy), {args.samples} samples per task and length.",
+            f"(% of references found, greedy), {args.samples} sample{'s' if args.samples != 1 else ''} "
+            "per task and length.",
             "",
             "| task | " + " | ".join(heads) + " |",
             "|---|" + "---:|" * len(lengths),

@@ -136,3 +136,67 @@ def test_eval_lines_with_chat_templates_matches_transformers(tmp_path):
             bound = 2 * len(answer) * LOGIT_TERMS * FP32_EPS
             assert abs(x["answer_logprob"] - logprob) <= bound, (name, x["answer_logprob"], logprob)
             assert math.isfinite(x["answer_logprob"])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_task_plans_with_the_family_config_and_template(tmp_path, name, monkeypatch):
+    """eval-ppl, eval-niah, eval-ruler and eval-short accept a Gemma 3 / Qwen2 model folder: every input
+    check passes and the cases build from its config and tokenizer with no model loaded
+    (``prepare_run``); the generation tasks' prompts are the family's chat template around the task
+    (the same ids as transformers' ``apply_chat_template``), counted in the length, and the answer
+    prefix follows the template's model turn. The ring evaluation itself is the family-independent
+    harness checked above (eval-lines) and in test_eval_tasks_real_model.py."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from ringft.data.line_retrieval import encode_prompt
+    from ringft.evals.harness import parse_task_args
+    from ringft.evals.niah import NiahTask
+    from ringft.evals.plan import prepare_run
+    from ringft.evals.ppl import PplTask
+    from ringft.evals.ruler import RulerTask
+    from ringft.evals.short import ShortTask
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded while planning")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    model = str(tmp_path / name)
+    save_family_model(tmp_path / name, name)
+    text = tmp_path / "a.txt"
+    text.write_text("The lighthouse keeper climbed the stairs at dusk and wrote the weather down. " * 40)
+    common = ["--model", model, "--dtype", "fp32", "--no-progress"]
+    runs = {
+        PplTask(): [
+            "--baseline",
+            model,
+            "--text",
+            str(text),
+            "--lengths",
+            "128,256",
+            "--native-window",
+            "128",
+        ],
+        ShortTask(): ["--baseline", model, "--text", str(text), "--length", "128"],
+        NiahTask(): ["--lengths", "400", "--depths", "0,1", "--samples", "1"],
+        RulerTask(): ["--tasks", "niah_multikey_2,vt,cwe,fwe", "--lengths", "1400", "--samples", "1"],
+    }
+    tok = AutoTokenizer.from_pretrained(model)
+    start, end = FAMILIES[name][3]
+    for task, argv in runs.items():
+        args = parse_task_args(task, [*common, *argv, "--output", str(tmp_path / task.command)])
+        plan = prepare_run(task, args)
+        assert plan.cases and plan.ctx.configs["model"].model_type == FAMILIES[name][0], task.command
+        assert not (tmp_path / task.command).exists()  # nothing written before start()
+        if not isinstance(task, (NiahTask, RulerTask)):
+            continue
+        for case in plan.cases:
+            assert case.chat_template, (task.command, case.task)
+            ids = encode_prompt(tok, case.prompt, case.chat_template)
+            assert len(ids) == case.num_tokens <= case.length - case.tokens_to_generate
+            content = case.prompt.split(start + "user\n", 1)[1].rsplit(end, 1)[0]
+            messages = [{"role": "user", "content": content}]
+            want = tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+            assert ids[: len(want["input_ids"])] == list(want["input_ids"]), (task.command, case.task)

@@ -334,3 +334,57 @@ def test_results_resume_and_are_keyed(folder):
     assert all("teacher_forced_correct" in r and len(r["generated_ids"]) <= 8 for r in records)
     for name in ("samples.jsonl", "niah.csv", "summary.md", "heatmap.png", "summary.json", "settings.json"):
         assert (out / name).is_file(), name
+
+
+def test_figures_red_to_green_heatmap_and_ppl_labelled_a_sanity_check(folder, monkeypatch, tmp_path):
+    """The NIAH/lines heatmaps use one red (0) to green (full score) scale; eval-ppl (in this process,
+    the tiny model, base beside it) writes its CSVs and titles its figure a sanity check."""
+    import matplotlib
+    from matplotlib.axes import Axes
+
+    import ringft.evals.ppl_summary as ppl_summary
+    from ringft.evals.figures import curves, heatmaps
+
+    seen, titles = [], []
+    imshow = Axes.imshow
+
+    def recording(self, grid, **kwargs):
+        seen.append(kwargs)
+        return imshow(self, grid, **kwargs)
+
+    monkeypatch.setattr(Axes, "imshow", recording)
+    heatmaps(tmp_path / "h.png", [("passkey", [[0.0, 100.0]])], ["4K"], ["0%", "100%"],
+             xlabel="depth", ylabel="length", colorbar="score", vmax=100)  # fmt: skip
+    assert seen == [{"vmin": 0, "vmax": 100, "cmap": "RdYlGn", "aspect": "auto"}]
+    low, high = matplotlib.colormaps["RdYlGn"](0.0), matplotlib.colormaps["RdYlGn"](1.0)
+    assert low[0] > 2 * low[1] and high[1] > 2 * high[0]  # 0 is red, the full score green
+
+    def recording_curves(path, panels, *, title=None):
+        titles.append(title)
+        return curves(path, panels, title=title)
+
+    monkeypatch.setattr(ppl_summary, "curves", recording_curves)
+    out = tmp_path / "ppl"
+    argv = [*BASE, "--model", str(folder / "model"), "--baseline", str(folder / "base"), "--text",
+            str(folder / "a.txt"), "--lengths", "64,192", "--output", str(out)]  # fmt: skip
+    assert run("eval-ppl", argv)[0] == 0
+    assert titles and titles[0].startswith("Sanity check, not a retrieval measure")
+    assert "sanity check" in (out / "summary.md").read_text()
+    variants = {row.split(",")[0] for row in (out / "ppl.csv").read_text().splitlines()[1:]}
+    assert variants == {"model", "baseline", "baseline-window"}  # base in full and in its window
+    for name in ("nll_by_position.csv", "ppl.png", "summary.json", "results.jsonl"):
+        assert (out / name).is_file(), name
+
+
+def test_short_regression_flag_at_the_stated_threshold():
+    """eval-short flags a perplexity rise strictly above --max-ppl-increase percent, never a fall."""
+    from ringft.evals.short import regression_verdict
+
+    for base, model, limit, increase, flagged in (
+        (10.0, 10.5, 5.0, 5.0, False),
+        (10.0, 10.6, 5.0, 6.0, True),
+        (10.0, 6.0, 0.0, -40.0, False),
+        (10.0, 10.01, 0.0, 0.1, True),
+    ):
+        got = regression_verdict(base, model, limit)
+        assert got[0] == pytest.approx(increase) and got[1] is flagged, (base, model, limit, got)

@@ -47,7 +47,7 @@ class LengthTooShortError(ValueError):
         super().__init__(
             f"{task}: length {length} leaves {budget} prompt tokens ({reserve} reserved for the answer), "
             f"but its smallest prompt has {smallest} tokens with this tokenizer; use a length of at "
-            f"least {smallest + reserve}"
+            f"least {smallest + reserve} (this sample's smallest; samples differ, so leave some room)"
         )
         self.task, self.length, self.budget, self.smallest = task, length, budget, smallest
 
