@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
       start=$(date +%s)
       python3 -m ringft train recipes/demo_cpu.yaml --model.config "$CONFIG" --model.dtype bf16 \
         --model.attn_backend "$backend" --data.synthetic "{task: repeat, num_examples: 16}" \
-        --data.seq_len "$seq" --parallel.cp_size 1 --train.micro_batch_size 1 --train.max_steps 4 \
+        --data.seq_len "$seq" --parallel.cp_size 1 --train.micro_batch_size 1 --train.max_steps "${STEPS:-4}" \
         --train.warmup_steps 0 --train.gradient_checkpointing true --train.loss_chunk_size 4096 \
         --train.lr 1e-5 --lora "{r: 16, target_modules: $TARGETS}" --checkpoint.output_dir "$dir" \
         --checkpoint.save_every 0 --logging.tracker none --logging.log_every 1 "${extra[@]}" \
