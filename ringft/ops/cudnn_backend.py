@@ -9,7 +9,8 @@ cuDNN 9 (the ``nvidia-cudnn`` wheel torch depends on): nothing to compile. fp16/
 GQA: the cuDNN graph takes K/V with fewer heads natively where the installed torch/cuDNN builds it;
 the first GQA call probes that once and otherwise expands K/V heads locally (after communication),
 as the ``torch`` backend does. Packed documents run as one causal call per document (no varlen
-entry point), sliding windows as unmasked and causal calls (:mod:`ringft.ops.band`).
+entry point), sliding windows as unmasked and causal calls (:mod:`ringft.ops.band`). Blocks of
+fewer than ``MIN_BLOCK`` rows or keys run on the ``torch`` backend's kernels (cuDNN refuses 1 x 1).
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ from __future__ import annotations
 import torch
 
 from ringft.ops.gqa import expand_kv_heads, reduce_kv_head_grads
+from ringft.ops.torch_backend import TorchBackend
 
 Tensor = torch.Tensor
 
 __all__ = ["CudnnBackend"]
 
 _MAX_HEAD_DIM = 128
+# cuDNN refuses some tiny blocks ("s_q = s_kv = 1 is not supported", seen on an H100 with cuDNN 9.19
+# in the sliding-window band's small squares); blocks with fewer rows or keys than this run on the
+# ``torch`` backend's kernels instead (negligible work either way).
+MIN_BLOCK = 8
+_TORCH = TorchBackend()
+
+
+def _tiny(q: Tensor, k: Tensor) -> bool:
+    return min(q.shape[1], k.shape[1]) < MIN_BLOCK
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -105,6 +116,8 @@ class CudnnBackend:
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float
     ) -> tuple[Tensor, Tensor]:
         """``(out (B, Sq, Hq, D), lse (B, Hq, Sq))`` of ``q`` against ``k``/``v``."""
+        if _tiny(q, k):
+            return _TORCH.forward(q, k, v, causal, softmax_scale)
         groups = self._groups(q, k, v, causal, softmax_scale)
         k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         return self._forward_call(q, k, v, causal, softmax_scale)
@@ -121,6 +134,8 @@ class CudnnBackend:
         softmax_scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D))`` w.r.t. the merged ``out``/``lse``."""
+        if _tiny(q, k):
+            return _TORCH.backward(dout, q, k, v, out, lse, causal, softmax_scale)
         groups = self._groups(q, k, v, causal, softmax_scale)
         ke, ve = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         # cuDNN builds its graph from the strides: give dout and out the same (B, S, H, D) layout.

@@ -130,6 +130,16 @@ def run_cudnn_checks(verbose: bool = False) -> list[str]:
                 report(case + " one-call", base, [2 * o + 4e-3 for o in one])
                 report(case, got, [2 * b + 4e-3 for b in base])
     kernel.native_gqa = None
+    # Tiny blocks (cuDNN refuses 1 x 1; they run on the torch kernels): 1 x 1, 1 x 40, 5 x 5.
+    for sq, sk, causal in [(1, 1, True), (1, 40, False), (5, 5, True)]:
+        q, _, _, dout = _inputs((1, sq), 32, 8, 128, torch.bfloat16, seed=2)
+        _, k, v, _ = _inputs((1, sk), 32, 8, 128, torch.bfloat16, seed=3)
+        fn = functools.partial(full_attention_fp64, causal=causal)
+        ref = _reference(q, k, v, dout, fn)
+        out, lse = kernel.forward(q, k, v, causal, 128**-0.5)
+        grads = kernel.backward(dout, q, k, v, out, lse, causal, 128**-0.5)
+        # one torch-kernel call in bf16: 2 bf16 ulps of the output scale
+        report(f"cudnn tiny block {sq}x{sk}", _errors((out, lse, grads), ref), [8e-3] * 5)
     # Packed documents (one causal cuDNN call per document) and a sliding window, bf16, GQA 32/8.
     cu = [[0, 40, 100, 240], [0, 240]]
     for world in (1, 2, 3):
