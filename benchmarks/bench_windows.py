@@ -49,13 +49,20 @@ def _int_list(text: str) -> list[int]:
 def time_run(args, shards, window: int | None) -> list[float]:
     """CPU seconds of each rank's forward + backward (``window`` None: the unwindowed ring)."""
     n = args.world
-    kernel = get_backend(args.backend, torch.device("cpu"), DTYPES[args.dtype])
+    device = torch.device(args.device)
+    kernel = get_backend(args.backend, device, DTYPES[args.dtype], args.head_dim)
     spent = [0.0] * n
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time  # GPU: wall time around synchronized calls
 
     def timer(r, fn):
-        t0 = time.process_time()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = clock()
         fn()
-        spent[r] += time.process_time() - t0
+        if cuda:
+            torch.cuda.synchronize()
+        spent[r] += clock() - t0
 
     scale = default_softmax_scale(args.head_dim)
     for rank in range(n):
@@ -94,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--backend", default="torch")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: wall time, synchronized")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
@@ -110,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     q, dout = (torch.randn(*shape, args.heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(*shape, args.kv_heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
     shards = [
-        [zigzag_shard(t, r, args.world).contiguous() for r in range(args.world)] for t in (q, k, v, dout)
+        [zigzag_shard(t, r, args.world).contiguous().to(args.device) for r in range(args.world)]
+        for t in (q, k, v, dout)
     ]
     runs = ([] if args.no_ring else [None]) + list(args.windows)
     best: dict[int | None, list[float]] = {}

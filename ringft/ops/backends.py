@@ -22,20 +22,23 @@ CPU); by sliding windows (:mod:`ringft.ops.band`), :class:`WindowAttention` (a b
 one call: flash-attn's ``window_size``, the reference's mask) or else ``MaskedTileAttention``.
 
 Backends: ``reference`` (:mod:`ringft.ops.reference`), ``torch`` (:mod:`ringft.ops.torch_backend`),
-``flash_attn`` (:mod:`ringft.ops.flash_backend`); ``auto`` picks flash_attn on CUDA when it will
-work, torch otherwise.
+``flash_attn`` (:mod:`ringft.ops.flash_backend`), ``cudnn`` (:mod:`ringft.ops.cudnn_backend`); ``auto``
+picks cudnn on Hopper (sm90+) GPUs, else flash_attn, else cudnn, else torch, among those that will work
+(:func:`auto_backend_choice`), and logs its choice once.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
 import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from ringft.ops.cudnn_backend import CudnnBackend
 from ringft.ops.flash_backend import FlashAttnBackend
 from ringft.ops.reference import ReferenceBackend
 from ringft.ops.torch_backend import TorchBackend
@@ -45,6 +48,7 @@ Tensor = torch.Tensor
 __all__ = [
     "BACKENDS",
     "BlockAttention",
+    "CudnnBackend",
     "FlashAttnBackend",
     "MaskedTileAttention",
     "ReferenceBackend",
@@ -56,7 +60,9 @@ __all__ = [
     "get_backend",
 ]
 
-BACKENDS = ("auto", "torch", "flash_attn", "reference")
+BACKENDS = ("auto", "torch", "flash_attn", "cudnn", "reference")
+
+_LOG = logging.getLogger(__name__)
 
 
 class BlockAttention(Protocol):
@@ -174,29 +180,52 @@ def auto_backend_choice(
     flash_installed: bool,
     flash_import_error: str | None,
     capability: tuple[int, int] | None,
+    cudnn_usable: bool = False,
 ) -> tuple[str, str | None]:
     """What ``auto`` runs on: ``(backend name, reason flash-attn was passed over or None)``.
 
-    flash_attn only on CUDA, when it is installed, imports (its ``flash_attn_2_cuda`` extension
-    loads), the GPU is sm80 or newer and the inputs are fp16/bf16; torch otherwise. The reason is
-    None where flash-attn was never a candidate (CPU, not installed).
+    On CUDA: cudnn first on sm90+ (Hopper: cuDNN's fused attention measured faster than the
+    ``torch`` backend's kernels, benchmarks/RESULTS.md) when ``cudnn_usable`` (fp16/bf16, head_dim a
+    multiple of 8 and <= 128, cuDNN 9); else flash_attn when it is installed, imports (its
+    ``flash_attn_2_cuda`` extension loads), the GPU is sm80+ and the inputs are fp16/bf16; else cudnn
+    when usable; else torch. The reason is None where flash-attn was never a candidate (CPU, not
+    installed, cudnn preferred).
     """
-    if device_type != "cuda" or not flash_installed:
+    if device_type != "cuda":
         return "torch", None
+    if cudnn_usable and capability is not None and capability >= (9, 0):
+        return "cudnn", None
+    fallback = "cudnn" if cudnn_usable else "torch"
+    if not flash_installed:
+        return fallback, None
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        return "torch", (
+        return fallback, (
             f"flash-attn needs fp16/bf16 inputs and these are {dtype} (model.dtype fp32 without "
             "mixed precision)"
         )
     if flash_import_error is not None:
-        return "torch", f"flash-attn is installed but does not import ({flash_import_error})"
+        return fallback, f"flash-attn is installed but does not import ({flash_import_error})"
     if capability is not None and capability < (8, 0):
         return (
-            "torch",
+            fallback,
             "flash-attn 2 needs an sm80+ GPU (Ampere or newer), this one is "
             f"sm{capability[0]}{capability[1]}",
         )
     return "flash_attn", None
+
+
+@functools.cache
+def _cudnn_version() -> int:
+    if not torch.backends.cudnn.is_available():
+        return 0
+    return torch.backends.cudnn.version() or 0
+
+
+def _cudnn_usable(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> bool:
+    """cuDNN attention will run: CUDA, cuDNN 9+, fp16/bf16, a supported head_dim, sm80+."""
+    if device.type != "cuda" or dtype is None or head_dim is None or _cudnn_version() < 90000:
+        return False
+    return CudnnBackend.problem("cuda", dtype, head_dim, _capability(device.index or 0)) is None
 
 
 @functools.cache
@@ -218,33 +247,50 @@ _WARNED: set[str] = set()
 _INSTANCES: dict[str, BlockAttention] = {
     "torch": TorchBackend(),
     "flash_attn": FlashAttnBackend(),
+    "cudnn": CudnnBackend(),
     "reference": ReferenceBackend(),
 }
 
 
-def _warn_once(reason: str) -> None:
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def _warn_once(name: str, reason: str) -> None:
     if reason not in _WARNED:
         _WARNED.add(reason)
-        warnings.warn(f"attn_backend 'auto' uses 'torch': {reason}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"attn_backend 'auto' uses {name!r}: {reason}", RuntimeWarning, stacklevel=3)
 
 
-def get_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> BlockAttention:
+def _log_choice_once(device: torch.device, name: str) -> None:
+    key = (str(device), name)
+    if device.type == "cuda" and key not in _LOGGED:
+        _LOGGED.add(key)
+        _LOG.info("attn_backend 'auto' uses %r on %s", name, device)
+
+
+def get_backend(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> BlockAttention:
     """The backend called ``name`` (one of :data:`BACKENDS`) for tensors on ``device``.
 
-    ``auto`` is flash_attn where it will work (see :func:`auto_backend_choice`; pass the inputs'
-    ``dtype``), else torch, with one warning per reason when flash-attn is installed but passed over.
+    ``auto`` picks by :func:`auto_backend_choice` (pass the inputs' ``dtype`` and ``head_dim``; cudnn
+    is a candidate only when both are given), logs its CUDA choice once at INFO, and warns once per
+    reason when flash-attn is installed but passed over.
     """
     if name == "auto":
         installed = device.type == "cuda" and FlashAttnBackend.is_available()
+        cudnn = _cudnn_usable(device, dtype, head_dim)
         name, reason = auto_backend_choice(
             device.type,
             dtype,
             flash_installed=installed,
             flash_import_error=_flash_import_error() if installed else None,
-            capability=_capability(device.index or 0) if installed else None,
+            capability=_capability(device.index or 0) if installed or cudnn else None,
+            cudnn_usable=cudnn,
         )
         if reason:
-            _warn_once(reason)
+            _warn_once(name, reason)
+        _log_choice_once(device, name)
     backend = _INSTANCES.get(name)
     if backend is None:
         raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}")

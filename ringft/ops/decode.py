@@ -53,7 +53,9 @@ def _merged_cache_attention(q, k_cache, v_cache, softmax_scale, group, backend) 
     acc = accumulator_dtype(q.dtype)
     b, n, h, _ = q.shape
     if k_cache.shape[1] > 0:
-        out, lse = get_backend(backend, q.device, q.dtype).forward(q, k_cache, v_cache, False, scale)
+        out, lse = get_backend(backend, q.device, q.dtype, q.shape[-1]).forward(
+            q, k_cache, v_cache, False, scale
+        )
         out, lse = out.to(acc), lse.to(acc)
     else:
         out = torch.zeros(q.shape, dtype=acc, device=q.device)

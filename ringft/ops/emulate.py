@@ -179,7 +179,7 @@ def emulate_zigzag_attention(
     ``cu_seqlens`` (packed documents) and ``sliding_window``: as for
     :func:`ringft.ops.zigzag_ring_attention` (a window >= the sequence is no window).
     """
-    kernel = get_backend(backend, q.device, q.dtype)
+    kernel = get_backend(backend, q.device, q.dtype, q.shape[-1])
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     n = cp_size
     qs, ks, vs = ([zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v))

@@ -70,7 +70,7 @@ def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str, cp_size:
     if length:
         problems.append(length)
     if not problems:
-        reason = get_backend(backend, q.device, q.dtype).check(q)
+        reason = get_backend(backend, q.device, q.dtype, q.shape[-1]).check(q)
         if reason:
             problems.append(reason)
     return problems
@@ -301,7 +301,7 @@ def zigzag_ring_attention(
     documents = cu_seqlens
     if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
         documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
-    kernel = get_backend(backend, q.device, q.dtype)
+    kernel = get_backend(backend, q.device, q.dtype, q.shape[-1])
     with no_autocast(q.device.type):
         out, lse = _ZigzagRingAttention.apply(q, k, v, causal, scale, group, kernel, rank, size, documents)
     return (out, lse) if return_lse else out
@@ -315,7 +315,7 @@ def _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens) ->
             raise ValueError("sliding_window needs the DocumentPlan's offsets: build it with document_plan()")
         cu_rows = None if cu_seqlens.single else cu_seqlens.offsets
     plan = window_plan(q.shape[1] * size, size, window)
-    kernel = get_backend(backend, q.device, q.dtype)
+    kernel = get_backend(backend, q.device, q.dtype, q.shape[-1])
     with no_autocast(q.device.type):
         return windowed_ring_attention(
             q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0])

@@ -132,7 +132,12 @@ def model_construction(accelerator: Any, kind: str) -> Iterator[None]:
     """Build the model under ``deepspeed.zero.Init`` only when the launch config's ``zero3_init_flag``
     asks for it. (accelerate registers the ZeRO-3 config with transformers whatever the flag, so
     transformers would partition at construction anyway.) Without it every rank builds the full model
-    and the engine partitions it. A no-op outside DeepSpeed."""
+    and the engine partitions it. DDP on CUDA: the model is built on the process's GPU (random
+    initialisation of a model from config runs there: minutes faster than on the CPU for 8B)."""
+    if kind == DDP and accelerator.device.type == "cuda":
+        with torch.device(accelerator.device):
+            yield
+        return
     if kind != DEEPSPEED:
         yield
         return

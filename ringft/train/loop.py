@@ -328,6 +328,8 @@ class Trainer:
             bar.update(1)
             if (step + 1) % self.recipe.logging.log_every == 0:
                 metrics = {"loss": loss, "lr": self.last_lr, "tokens_per_s": tps, "peak_mem_gb": peak}
+                if self.device.type == "cuda":
+                    metrics["peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
                 if self.last_grad_norm is not None:
                     metrics["grad_norm"] = self.last_grad_norm
                 acc.log(metrics, step=step + 1)

@@ -62,6 +62,7 @@ def test_backends_declare_what_they_can_do():
     and the optional Protocols are exactly the ones whose methods it defines."""
     from ringft.ops.backends import (
         BlockAttention,
+        CudnnBackend,
         FlashAttnBackend,
         MaskedTileAttention,
         ReferenceBackend,
@@ -75,6 +76,7 @@ def test_backends_declare_what_they_can_do():
         TorchBackend: (False, True),
         FlashAttnBackend: (True, False),
         ReferenceBackend: (True, False),
+        CudnnBackend: (False, False),
     }
     for cls, (varlen, tiles) in expected.items():
         backend = cls()

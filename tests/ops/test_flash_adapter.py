@@ -173,6 +173,7 @@ def test_flash_adapter_is_lazy(tmp_path):
         "auto": "torch",
         "torch": "torch",
         "flash_attn": "flash_attn",
+        "cudnn": "cudnn",
         "reference": "reference",
     }
     assert seen["after_first_call"] == ["flash_attn", "flash_attn.flash_attn_interface"], seen

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU validation stages (issue 25), run from the repo root on a CUDA machine; logs go to $OUT (default
+# outputs/gpu). Stages: env | kernels | bench | train SEQ BACKEND [EXTRA...] | baseline SEQ.
+#   bash benchmarks/gpu_validation.sh env kernels bench
+#   bash benchmarks/gpu_validation.sh train 32768 auto
+# RINGFT_GPU_TINY=1 shrinks the model and lengths so the script can be tried on a CPU.
+set -euo pipefail
+OUT=${OUT:-outputs/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ "${RINGFT_GPU_TINY:-0}" = 1 ]; then
+  CONFIG="{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 524288, vocab_size: 2048}"
+else
+  CONFIG="{hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, max_position_embeddings: 524288, vocab_size: 128256, rope_theta: 500000}"
+fi
+TARGETS="[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
+while [ $# -gt 0 ]; do
+  stage=$1; shift
+  case $stage in
+    env)
+      nvidia-smi || true
+      python3 -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)"
+      ;;
+    kernels)
+      python3 -m pytest -q -p no:cacheprovider tests/ops/test_cudnn_backend.py tests/ops/test_cuda_backend.py 2>&1 | tail -5
+      python3 tests/ops/test_cudnn_backend.py > "$OUT/cudnn_exactness.log" 2>&1 || true
+      tail -3 "$OUT/cudnn_exactness.log"
+      ;;
+    bench)
+      python3 benchmarks/bench_backends_cuda.py --seq 16K,64K,128K --ring-seq 128K --json "$OUT/backends.jsonl"
+      ;;
+    train)
+      seq=$1 backend=$2; shift 2
+      extra=()
+      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$2"); shift 2; done
+      tag=train-$seq-$backend-$(echo "${extra[*]:-}" | tr -c 'a-z0-9' '_' | cut -c1-40)
+      dir=/tmp/ringft-$tag
+      rm -rf "$dir"
+      start=$(date +%s)
+      python3 -m ringft train recipes/demo_cpu.yaml --model.config "$CONFIG" --model.dtype bf16 \
+        --model.attn_backend "$backend" --data.synthetic "{task: repeat, num_examples: 16}" \
+        --data.seq_len "$seq" --parallel.cp_size 1 --train.micro_batch_size 1 --train.max_steps "${STEPS:-4}" \
+        --train.warmup_steps 0 --train.gradient_checkpointing true --train.loss_chunk_size 4096 \
+        --train.lr 1e-5 --lora "{r: 16, target_modules: $TARGETS}" --checkpoint.output_dir "$dir" \
+        --checkpoint.save_every 0 --logging.tracker none --logging.log_every 1 "${extra[@]}" \
+        > "$OUT/$tag.log" 2>&1 || echo "$tag FAILED (see log)"
+      echo "$tag wall $(( $(date +%s) - start )) s"
+      grep -E "auto' uses|ringft:|Error|error" "$OUT/$tag.log" | tail -3 || true
+      [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$tag.metrics.jsonl" && \
+        python3 benchmarks/bench_train_gpu.py summary --seq "$seq" --lora "$dir/metrics.jsonl"
+      ;;
+    baseline)
+      seq=$1; shift
+      python3 benchmarks/bench_train_gpu.py baseline --seq "$seq" --steps 4
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
