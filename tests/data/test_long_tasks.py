@@ -309,20 +309,15 @@ def test_word_sources():
     )
 
 
-def _cached_smollm2():
-    from tests.real_model import FOLDER_NAME, cache_root
-
-    path = cache_root() / FOLDER_NAME
-    return path if (path / "tokenizer.json").is_file() else None
-
-
-@pytest.mark.skipif(_cached_smollm2() is None, reason="SmolLM2 not converted yet (tests/real_model.py)")
 def test_real_chat_template_smollm2():
     """SmolLM2's own chat template: the task text is the user turn, the answer prefix follows the
-    assistant header, and the count is the real tokenization (<= length - tokens to generate)."""
+    assistant header, and the count is the real tokenization (<= length - tokens to generate).
+    The model folder is converted on first use (tests/real_model.py), never skipped."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(_cached_smollm2())
+    from tests.real_model import smollm2_path
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     for task in ("niah_single_1", "vt", "passkey"):
         sample = generate_sample(task, tokenizer, 3072, 0)
         assert sample.chat_template and sample.input.startswith("<|im_start|>")
