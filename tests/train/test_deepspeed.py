@@ -24,11 +24,9 @@ checkpoint replays the same operations: bit-exact.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -46,20 +44,15 @@ from tests.tiny_training import (
     final_weights,
     tiny_recipe,
 )
+from tests.train.launch_env import BUILD_TIMEOUT, EXTENSIONS_DIR, build_deepspeed_ops, launch_env
 from tests.workers import train_runs
 
 pytest.importorskip("deepspeed")
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT = 420
-# DeepSpeed JIT-compiles its CPU ops (the shared-memory all-reduce, CPU Adam) into TORCH_EXTENSIONS_DIR
-# under torch's FileBaton: a lock file that every other process waits on *forever*. A build killed
-# mid-way (a timeout, a stopped session) leaves it behind, and every later launch then hangs at
-# start-up. So the tests build into a folder of this clone (a clean clone starts clean), clear locks
-# older than any build, and build once in one process before launching, bounded by a timeout.
-EXTENSIONS_DIR = REPO / ".cache" / "torch_extensions"
-STALE_LOCK_S = 900  # one op builds in ~30-90 s on 2 cores
-BUILD_TIMEOUT = 600
+# DeepSpeed's CPU ops are built once, in one process, under a timeout, into this clone's folder
+# (tests/train/launch_env.py says why: a build killed mid-way leaves a lock every launch waits on).
 DEEPSPEED_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
 
 
@@ -91,34 +84,22 @@ def _launch(tmp_path: Path, launch_config: Path, raw: dict, *extra: str) -> None
         "--no-progress",
         *extra,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "ringft: " in proc.stdout, proc.stdout[-3000:]
 
 
-def _env() -> dict[str, str]:
-    extensions = str(EXTENSIONS_DIR)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_EXTENSIONS_DIR=extensions)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def deepspeed_ops_built() -> None:
-    """Clear stale build locks in EXTENSIONS_DIR, then JIT-build DeepSpeed's CPU ops in one process."""
-    for lock in EXTENSIONS_DIR.rglob("lock"):
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    code = (
-        "from deepspeed.accelerator import get_accelerator\n"
-        f"for name in {DEEPSPEED_OPS!r}:\n"
-        "    get_accelerator().create_op_builder(name).load()\n"
-    )
+    """DeepSpeed's CPU all-reduce and CPU Adam built before any launch (launch_env.build_deepspeed_ops)."""
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT
-        )
+        build_deepspeed_ops(DEEPSPEED_OPS)
     except subprocess.TimeoutExpired:
         pytest.fail(f"DeepSpeed CPU op build took over {BUILD_TIMEOUT} s (held lock in {EXTENSIONS_DIR}?)")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    except RuntimeError as exc:
+        pytest.fail(f"DeepSpeed CPU op build failed: {exc}")
 
 
 def _metric(output_dir: Path, key: str = "loss") -> list[float]:
