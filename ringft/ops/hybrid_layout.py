@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ringft.ops.cp_sharding import ulysses_size_problem
-from ringft.ops.parallel import ParallelLayout
+from ringft.ops.parallel import ParallelLayout, world_for_cp
 
 __all__ = ["HybridGroups", "HybridLayout", "build_hybrid_layout", "resolve_cp_groups"]
 
@@ -78,13 +78,7 @@ def build_hybrid_layout(cp_size: int, ulysses_size: int = 1, device_type: str = 
     ``cp_size`` does not divide the world size or ``ulysses_size`` does not divide ``cp_size``.
     Every group is a real process group, also where its size is 1.
     """
-    initialized = dist.is_available() and dist.is_initialized()
-    world, rank = (dist.get_world_size(), dist.get_rank()) if initialized else (1, 0)
-    if cp_size < 1 or world % cp_size:
-        raise ValueError(
-            f"cp_size={cp_size} does not divide the world size {world}: launch a multiple of {cp_size} "
-            "processes or choose a cp_size that divides the number of GPUs"
-        )
+    initialized, world, rank = world_for_cp(cp_size)
     problem = ulysses_size_problem(cp_size, ulysses_size)
     if problem:
         raise ValueError(problem)

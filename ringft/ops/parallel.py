@@ -22,12 +22,10 @@ class ParallelLayout:
     dp_group: Any = None  # ranks holding the same CP position in every replica
 
 
-def build_layout(cp_size: int, device_type: str = "cpu") -> ParallelLayout:
-    """Build the (dp, cp) DeviceMesh from the initialised default group.
-
-    Raises ``ValueError`` (on every rank: the check is local and identical everywhere) when
-    ``cp_size`` does not divide the world size.
-    """
+def world_for_cp(cp_size: int) -> tuple[bool, int, int]:
+    """``(initialized, world size, rank)`` of the default group (``(False, 1, 0)`` without one);
+    ``ValueError`` when ``cp_size`` does not divide the world size (local and identical on every
+    rank, so every rank raises it)."""
     initialized = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if initialized else (1, 0)
     if cp_size < 1 or world % cp_size:
@@ -35,6 +33,16 @@ def build_layout(cp_size: int, device_type: str = "cpu") -> ParallelLayout:
             f"cp_size={cp_size} does not divide the world size {world}: launch a multiple of {cp_size} "
             "processes or choose a cp_size that divides the number of GPUs"
         )
+    return initialized, world, rank
+
+
+def build_layout(cp_size: int, device_type: str = "cpu") -> ParallelLayout:
+    """Build the (dp, cp) DeviceMesh from the initialised default group.
+
+    Raises ``ValueError`` (on every rank: the check is local and identical everywhere) when
+    ``cp_size`` does not divide the world size.
+    """
+    initialized, world, rank = world_for_cp(cp_size)
     dp = world // cp_size
     layout = ParallelLayout(world, rank, cp_size, dp, rank % cp_size, rank // cp_size)
     if initialized and world > 1:
