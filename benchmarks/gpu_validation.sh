@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation stages (issue 25), run from the repo root on a CUDA machine; logs go to $OUT (default
-# outputs/gpu). Stages: env | kernels | bench | train SEQ BACKEND [EXTRA...] | baseline SEQ.
+# outputs/gpu). Stages: env | kernels | bench | train SEQ BACKEND [EXTRA...] | baseline SEQ |
+# trace SEQ LAYERS [EXTRA...] (LoRA + offloaded activations, the peak's live tensors) |
+# sharded fsdp2|fsdp|zero3|zero3_offload SEQ LAYERS (full fine-tuning under that launch config) |
+# windows BACKEND (the windowed ring at 128K).
 #   bash benchmarks/gpu_validation.sh env kernels bench
 #   bash benchmarks/gpu_validation.sh train 32768 auto
 # RINGFT_GPU_TINY=1 shrinks the model and lengths so the script can be tried on a CPU.
@@ -14,6 +17,14 @@ else
   CONFIG="{hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, num_key_value_heads: 8, max_position_embeddings: 524288, vocab_size: 128256, rope_theta: 500000}"
 fi
 TARGETS="[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
+# the Llama-3-8B layer shape with LAYERS layers and vocabulary VOCAB (planner: --config-json of it)
+shape() {
+  if [ "${RINGFT_GPU_TINY:-0}" = 1 ]; then echo "$CONFIG"; return; fi
+  echo "{hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: $1, num_attention_heads: 32, num_key_value_heads: 8, max_position_embeddings: 524288, vocab_size: $2, rope_theta: 500000}"
+}
+COMMON=(--model.dtype bf16 --model.attn_backend auto --parallel.cp_size 1 --train.micro_batch_size 1
+  --train.warmup_steps 0 --train.gradient_checkpointing true --train.loss_chunk_size 4096 --train.lr 1e-5
+  --checkpoint.save_every 0 --logging.tracker none --logging.log_every 1)
 while [ $# -gt 0 ]; do
   stage=$1; shift
   case $stage in
@@ -52,6 +63,45 @@ while [ $# -gt 0 ]; do
     baseline)
       seq=$1; shift
       python3 benchmarks/bench_train_gpu.py baseline --seq "$seq" --steps 4
+      ;;
+    trace)
+      seq=$1 layers=$2; shift 2
+      extra=()
+      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$2"); shift 2; done
+      tag=trace-$seq-L$layers
+      rm -rf "/tmp/ringft-$tag"
+      python3 benchmarks/gpu_memory_trace.py --out "$OUT/$tag" --cap-gib "${CAP_GIB:-79.6}" -- \
+        recipes/demo_cpu.yaml --model.config "$(shape "$layers" 128256)" "${COMMON[@]}" \
+        --data.synthetic "{task: repeat, num_examples: 4}" --data.seq_len "$seq" --train.max_steps 1 \
+        --train.tiled_mlp_tokens 4096 --train.offload_activations true \
+        --lora "{r: 16, target_modules: $TARGETS}" --checkpoint.output_dir "/tmp/ringft-$tag" \
+        "${extra[@]}" > "$OUT/$tag.log" 2>&1 || echo "$tag FAILED (see log)"
+      grep -E "^(result|events)" "$OUT/$tag/peak.txt" 2>/dev/null || tail -5 "$OUT/$tag.log"
+      rm -rf "/tmp/ringft-$tag"
+      ;;
+    sharded)
+      kind=$1 seq=$2 layers=$3; shift 3
+      case $kind in
+        fsdp2) cfg=fsdp2.yaml ;; fsdp) cfg=fsdp.yaml ;; zero3) cfg=deepspeed_zero3.yaml ;;
+        zero3_offload) cfg=deepspeed_zero3_offload.yaml ;; *) echo "unknown $kind"; exit 2 ;;
+      esac
+      tag=sharded-$kind-$seq-L$layers dir=/tmp/ringft-sharded
+      rm -rf "$dir"
+      start=$(date +%s)
+      accelerate launch --config_file "recipes/accelerate/$cfg" --num_processes 1 -m ringft train \
+        recipes/demo_cpu.yaml --model.config "$(shape "$layers" 32000)" "${COMMON[@]}" \
+        --data.synthetic "{task: repeat, num_examples: 8}" --data.seq_len "$seq" --train.max_steps "${STEPS:-3}" \
+        --checkpoint.output_dir "$dir" > "$OUT/$tag.log" 2>&1 || echo "$tag FAILED (see log)"
+      echo "$tag wall $(( $(date +%s) - start )) s"
+      grep -E "ringft:|Error" "$OUT/$tag.log" | tail -3 || true
+      [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$tag.metrics.jsonl" && tail -2 "$dir/metrics.jsonl"
+      du -sh "$dir" 2>/dev/null || true
+      rm -rf "$dir"
+      ;;
+    windows)
+      backend=$1; shift
+      python3 benchmarks/bench_windows.py --device cuda --dtype bf16 --backend "$backend" --seq 128K \
+        --world 4 --heads 32 --kv-heads 8 --windows 512,4096,32768 --repeats 3 2>&1 | tail -12
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One lent-GPU session's runs (issue 25), in order of value, within a deadline: each stage starts
+# only if its expected time is left, and runs under what is left. Logs and the traces are packed
+# into two archives under $OUT (the device tool returns at most 8 files).
+#   DEADLINE_S=540 bash benchmarks/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-outputs/gpu}
+export OUT
+mkdir -p "$OUT"
+end=$(( $(date +%s) + ${DEADLINE_S:-540} ))
+stage() {
+  local need=$1; shift
+  local left=$(( end - $(date +%s) ))
+  if [ "$left" -lt "$need" ]; then echo "SKIP $* ($left s left, needs ~$need)"; return; fi
+  local start; start=$(date +%s)
+  timeout "$left" bash benchmarks/gpu_validation.sh "$@"
+  echo "=== $* took $(( $(date +%s) - start )) s"
+}
+{
+  stage 10 env
+  stage 60 kernels
+  stage 40 trace 131072 2
+  stage 40 sharded fsdp2 32768 2
+  stage 60 sharded zero3 32768 2
+  stage 90 sharded zero3_offload 32768 2
+  stage 50 trace 262144 2
+  stage 40 sharded fsdp 32768 2
+  stage 40 windows cudnn
+  stage 70 trace 393216 2
+} 2>&1 | tee "$OUT/session.log"
+cd "$OUT" && tar czf logs.tgz --exclude='*.pickle.gz' --exclude=logs.tgz --exclude=blocks.tgz . \
+  && tar czf blocks.tgz $(find . -name '*.pickle.gz') 2>/dev/null
+find . -mindepth 1 ! -name logs.tgz ! -name blocks.tgz ! -name session.log -delete 2>/dev/null || true
+ls -la
