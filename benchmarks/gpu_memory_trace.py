@@ -50,7 +50,7 @@ def replay(trace: list[dict[str, Any]]) -> tuple[int, int, dict[int, dict[str, A
     live: dict[int, dict[str, Any]] = {}
     current = peak = peak_at = 0
     for index, event in enumerate(trace):
-        action, addr = event["action"], event["addr"]
+        action, addr = event["action"], event.get("addr")  # an "oom" event has no address
         if action == "alloc":
             live[addr] = event
             current += event["size"]
@@ -63,7 +63,7 @@ def replay(trace: list[dict[str, Any]]) -> tuple[int, int, dict[int, dict[str, A
         if event["action"] == "alloc":
             live[event["addr"]] = event
         elif event["action"] in ("free_requested", "free_completed"):
-            live.pop(event["addr"], None)
+            live.pop(event.get("addr"), None)
     return peak, peak_at, live
 
 

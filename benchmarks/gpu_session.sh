@@ -17,6 +17,10 @@ stage() {
   echo "=== $* took $(( $(date +%s) - start )) s"
 }
 {
+  if [ -n "${STAGES:-}" ]; then  # e.g. STAGES="exactness;trace 131072 2": these stages only
+    IFS=';' read -ra picked <<< "$STAGES"
+    for one in "${picked[@]}"; do stage 10 $one; done
+  else
   stage 10 env
   stage 60 kernels
   stage 40 trace 131072 2
@@ -27,8 +31,11 @@ stage() {
   stage 40 sharded fsdp 32768 2
   stage 40 windows cudnn
   stage 70 trace 393216 2
+  fi
 } 2>&1 | tee "$OUT/session.log"
-cd "$OUT" && tar czf logs.tgz --exclude='*.pickle.gz' --exclude=logs.tgz --exclude=blocks.tgz . \
-  && tar czf blocks.tgz $(find . -name '*.pickle.gz') 2>/dev/null
-find . -mindepth 1 ! -name logs.tgz ! -name blocks.tgz ! -name session.log -delete 2>/dev/null || true
-ls -la
+# pack into a folder outside $OUT first (tar must not read the archive it writes)
+pack=$(mktemp -d)
+(cd "$OUT" && tar czf "$pack/logs.tgz" --exclude='*.pickle.gz' . && \
+  tar czf "$pack/blocks.tgz" $(find . -name '*.pickle.gz') 2>/dev/null)
+find "$OUT" -mindepth 1 ! -name session.log -delete
+mv "$pack"/*.tgz "$OUT"/ && ls -la "$OUT"

@@ -32,10 +32,14 @@ while [ $# -gt 0 ]; do
       nvidia-smi || true
       python3 -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)"
       ;;
-    kernels)
-      python3 -m pytest -q -p no:cacheprovider tests/ops/test_cudnn_backend.py tests/ops/test_cuda_backend.py 2>&1 | tail -5
+    exactness)
       python3 tests/ops/test_cudnn_backend.py > "$OUT/cudnn_exactness.log" 2>&1 || true
-      tail -3 "$OUT/cudnn_exactness.log"
+      grep -E "tiny|FAIL|failures" "$OUT/cudnn_exactness.log" | head -30
+      ;;
+    kernels)
+      python3 -m pytest -q -p no:cacheprovider tests/ops/test_cudnn_backend.py tests/ops/test_cuda_backend.py 2>&1 | tail -5 || true
+      python3 tests/ops/test_cudnn_backend.py > "$OUT/cudnn_exactness.log" 2>&1 || true
+      grep -E "tiny|FAIL|failures" "$OUT/cudnn_exactness.log" | head -30
       ;;
     bench)
       python3 benchmarks/bench_backends_cuda.py --seq 16K,64K,128K --ring-seq 128K --json "$OUT/backends.jsonl"

@@ -67,7 +67,11 @@ def test_auto_never_picks_cudnn_without_cudnn(monkeypatch):
 
 
 def _rel(x, ref):
-    return ((x.double() - ref).abs().max() / ref.abs().max()).item()
+    # The scale is floored at 1e-2 (inputs are unit normals: every non-degenerate reference here is
+    # far above it) so that an exactly-zero reference measures the absolute error: dq and dk of a
+    # one-key block (1 x 1) are 0 (softmax over one key has no gradient), which a kernel computes as
+    # dP - D with the two fp32 sums in different orders, i.e. ~1e-7 instead of 0.
+    return ((x.double() - ref).abs().max() / max(ref.abs().max().item(), 1e-2)).item()
 
 
 def _inputs(shape, hq, hkv, dim, dtype, seed=0):
