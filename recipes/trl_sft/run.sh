@@ -16,6 +16,8 @@
 # CPU variant (2 processes, SmolLM2-135M, a minute): recipes/trl_sft/run_cpu.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# less allocator fragmentation at long sequences (see recipes/_stages.sh); a value set before wins
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CMD=(
     "${ACCELERATE:-accelerate}" launch
     --config_file "${ACCELERATE_CONFIG:-recipes/accelerate/fsdp2.yaml}"
