@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-bf16-adapters",
         action="store_true",
-        help="adapters in the model dtype (peft autocast_adapter_dtype=False); default fp32 adapters",
+        help="adapters in the model dtype (recipe lora.adapter_dtype: model; peft "
+        "autocast_adapter_dtype=False); default fp32 adapters",
     )
     p.add_argument("--dtype", choices=PLANNED_DTYPES, default="bf16")
     p.add_argument("--no-master-weights", action="store_true", help="pure bf16 (no fp32 master copy)")

@@ -208,6 +208,7 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
                 target_modules=list(lc.target_modules),
                 task_type="CAUSAL_LM",
             ),
+            autocast_adapter_dtype=lc.adapter_dtype == "fp32",
         )
         if t.gradient_checkpointing:
             model.enable_input_require_grads()

@@ -190,6 +190,11 @@ class LoraConfig(Section):
     alpha: float = number(32, gt=0)
     dropout: float = number(0.0, lo=0, lt=1)
     target_modules: list[str] = text_list(["q_proj", "k_proj", "v_proj", "o_proj"])
+    # "fp32": adapters in fp32 (peft's default): each target casts its bf16 input to an fp32 copy
+    # kept for the backward (4 B per input feature per token, per target); "model": adapters in the
+    # model's dtype, no copies, the optimizer steps fp32 master weights (under DDP ringft keeps them,
+    # DeepSpeed / FSDP in their bf16 modes)
+    adapter_dtype: str = choice("fp32", ("fp32", "model"))
 
 
 @dataclass
