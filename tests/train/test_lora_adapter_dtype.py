@@ -92,3 +92,54 @@ def test_adapter_dtype_is_checked(tmp_path):
     raw = tiny_recipe(tmp_path / "x", tmp_path, lora={"r": 4, "adapter_dtype": "fp16"})
     with pytest.raises(RecipeError, match="adapter_dtype"):
         recipe_from_dict(raw)
+
+
+def _saved_fp32_bytes(raw: dict, tokens: int) -> int:
+    """Bytes of the distinct fp32 activations (a dimension of ``tokens``) one forward of the trainer's
+    model saves for its backward (weights, saved or not depending on which inputs need grads, aside)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ringft.train.loop import Trainer
+
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.float32 and tokens in t.shape:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    try:
+        model = Trainer(recipe_from_dict(raw), progress=False).model
+        ids = torch.randint(3, 200, (1, tokens))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, position_ids=torch.arange(tokens)[None])
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return sum(storages.values())
+
+
+def test_model_dtype_adapters_save_no_fp32_input_copies(tmp_path, short_data):
+    """The memory claim: peft's fp32 adapters on a bf16 model cast each target's input to an fp32
+    copy that the adapter's matmul saves (and keep ``lora_A``'s output in fp32); in the model's dtype
+    neither exists. One forward without checkpointing (so everything is saved), r 4, T tokens: the
+    fp32 activation bytes saved differ by exactly sum over targets of ``T * (in_features + r) * 4``
+    (T = 48: no weight dimension of the tiny model has that size)."""
+    tokens, r = 48, 4
+    config = tiny_recipe(tmp_path / "c", short_data)["model"]["config"]
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, head_dim = config["num_attention_heads"], hidden // config["num_attention_heads"]
+    inputs = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": heads * head_dim}
+    inputs |= {"gate_proj": hidden, "up_proj": hidden, "down_proj": inter}
+    saved = {}
+    for dtype in ("fp32", "model"):
+        raw = tiny_recipe(
+            tmp_path / dtype,
+            short_data,
+            model={"dtype": "bf16"},
+            train={"gradient_checkpointing": False, "chunked_loss": False},
+            lora={"r": r, "target_modules": TARGETS, "adapter_dtype": dtype},
+        )
+        saved[dtype] = _saved_fp32_bytes(raw, tokens)
+    expected = sum(tokens * (features + r) * 4 for features in inputs.values())
+    assert saved["fp32"] - saved["model"] == expected, (saved, expected)
