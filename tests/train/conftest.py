@@ -20,6 +20,19 @@ REPO = Path(__file__).resolve().parents[2]
 SPAWN_TIMEOUT = 600.0
 
 
+@pytest.fixture(scope="module")
+def short_data(tmp_path_factory) -> str:
+    """16 rows of 60 random token ids (a saved ``datasets`` folder) for in-process trainer runs."""
+    import datasets
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randint(3, 200, (60,), generator=gen).tolist() for _ in range(16)]
+    path = tmp_path_factory.mktemp("data") / "rows"
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(path))
+    return str(path)
+
+
 def _collect(names: list[str], results: list[list[dict]]) -> dict[str, dict]:
     """``name`` -> rank 0's result, ``name@r`` -> rank r's."""
     out = {}

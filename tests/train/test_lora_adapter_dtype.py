@@ -15,17 +15,6 @@ from tests.tiny_training import final_weights, tiny_recipe
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.fixture(scope="module")
-def short_data(tmp_path_factory) -> str:
-    import datasets
-
-    gen = torch.Generator().manual_seed(7)
-    rows = [torch.randint(3, 200, (60,), generator=gen).tolist() for _ in range(16)]
-    path = tmp_path_factory.mktemp("data") / "rows"
-    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(path))
-    return str(path)
-
-
 def _train(raw: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[torch.dtype]]:
     """(initial adapter weights, exported adapter weights, the adapters' dtypes) of one run."""
     from accelerate.state import AcceleratorState, GradientState

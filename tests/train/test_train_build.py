@@ -15,17 +15,6 @@ from ringft.train.recipe import recipe_from_dict
 from tests.tiny_training import VOCAB, final_weights, tiny_recipe
 
 
-@pytest.fixture(scope="module")
-def short_data(tmp_path_factory) -> str:
-    import datasets
-
-    gen = torch.Generator().manual_seed(7)
-    rows = [torch.randint(3, 200, (60,), generator=gen).tolist() for _ in range(16)]
-    path = tmp_path_factory.mktemp("data") / "rows"
-    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(path))
-    return str(path)
-
-
 def _train_in_process(raw: dict) -> dict[str, torch.Tensor]:
     from accelerate.state import AcceleratorState, GradientState
 
