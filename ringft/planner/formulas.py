@@ -212,14 +212,35 @@ def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
     return t * kernel
 
 
+# The RMSNorm backward (transformers' Llama-style norm, ``w * (x32 * rsqrt(mean(x32**2) + eps))``)
+# holds five fp32 ``(T, h)`` tensors at once: the x-grad of the ``x32 * rsqrt`` product (waiting for
+# the variance path), the mean's expanded grad and pow's ``x**1``, ``2*x`` and ``grad * 2x``. Counted
+# on CPU (torch 2.13, bf16 and fp32 alike) and on the GPU (H200, torch 2.11: five 2 GiB blocks at 128K).
+RMSNORM_BACKWARD_TEMPS = 5
+
+
 def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict[str, int]:
-    """Peak of one decoder layer's backward (after its recompute), the larger of two phases.
+    """Peak of one decoder layer's backward (after its recompute), the largest of three phases.
 
     - MLP phase (the MLP backward runs first): everything the layer saved, the output grad
       ``a*T*h`` and the MLP backward's transients: untiled, gate/silu/up and the grads of the
       product, silu and up are alive together, ``6*a*T*i`` minus the MLP's saved bytes; tiled,
       one tile's recompute + transients ``6*a*t*i`` (``t`` tile tokens, plus the tile's LoRA input
       copies) and the input-grad accumulator ``a*T*h``;
+    - norm phase (the second norm's backward, right after the MLP's): the first half's saved
+      tensors (norm1 + attention + their LoRA tensors), the second norm's fp32 input and rsqrt
+      ``(4*h + 4)*T``, the residual stream's grad ``a*T*h`` and the RMSNorm backward's
+      :data:`RMSNORM_BACKWARD_TEMPS` fp32 temporaries ``5*4*T*h``. For bf16 LoRA on Llama shapes
+      this is the peak: with fp32 adapters on q/k/v/o (their fp32 input copies ``12*h + 4*nh*d``)
+      and a tiled MLP, ``T*(42*h + 4*nh*d + 2*(2*nh + 2*nkv)*d + 4*nh + 8 + 16*r)``, measured on an
+      H200 within 0.2 % (``tests/planner/test_planner_gpu_measured.py``). With extra norms (Gemma 3's
+      post-feedforward norm, whose backward runs first, while everything is saved) the phase is the
+      larger of that and ``sum(saved) + a*T*h + 5*4*T*h`` (derived, not measured). The recompute
+      *forward* never exceeds this phase: at its largest (the second norm's forward, measured at
+      384K) it holds, besides the first half's saved tensors, the layer input (offload: unpacked
+      from CPU), the residual and the output grad ``a*T*h`` each, the norm's fp32 input and
+      product ``2*4*T*h`` and two ``a*T*h`` casts: ``(5*a + 8)*T*h`` against ``(a + 24)*T*h``
+      here (in fp32 the casts are no-ops);
     - attention phase (the second norm's and the MLP's tensors are freed): norm1 + attention +
       their LoRA tensors, the kernel transients (:func:`attention_kernel`); with ``cp > 1`` the
       ring buffers: fp32 dq accumulator ``4*T*nh*d``, K/V double buffer ``2*2*a*T*nkv*d`` and the
@@ -230,6 +251,9 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
       the head-shard grads, the send and receive buffers and the sequence-shard result,
       ``4*a*T*(nh + 2*nkv')*d``: the phase takes the larger of that and kernel + ring.
       (Not measured on GPUs.)
+
+    ``norm_transients`` is the norm phase's part that no saved tensor accounts for (the grad and the
+    temporaries), what the phase adds when the saved tensors are counted elsewhere (no checkpointing).
     """
     a = s.act_bytes
     t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
@@ -251,14 +275,20 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
     mlp_phase = sum(saved.values()) + mlp_extra + a * t * h
     attn_saved = saved["norm1"] + saved["attention"] + saved["lora_attn"]
     attn_phase = attn_saved + max(kernel + ring, all_to_all) + grad_flow
+    norm_transients = a * t * h + RMSNORM_BACKWARD_TEMPS * 4 * t * h
+    norm_phase = attn_saved + t * (4 * h + 4) + norm_transients
+    if m.norms > 2:
+        norm_phase = max(norm_phase, sum(saved.values()) + norm_transients)
     return {
         "mlp_phase": mlp_phase,
+        "norm_phase": norm_phase,
         "attention_phase": attn_phase,
         "ring_buffers": ring,
         "all_to_all_buffers": all_to_all,
         "attention_kernel": kernel,
         "mlp_backward_extra": mlp_extra,
         "grad_flow": grad_flow,
+        "norm_transients": norm_transients,
     }
 
 
@@ -305,9 +335,13 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
 def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict[str, int]:
     """Activations kept from the forward until the backward reaches their layer.
 
-    - per-layer checkpointing: the ``L`` layer inputs ``L*a*T*h``; with activation offload only
-      ``2*a*T*h`` stay on the GPU (the layer in use and the one in flight), the rest is in CPU
-      memory;
+    - per-layer checkpointing: the ``L`` layer inputs ``L*a*T*h``; with activation offload
+      (``save_on_cpu`` around the decoder) one ``a*T*h`` stays on the GPU, the rest is in CPU
+      memory. Measured (H200, LoRA): that one is the embedding output, which ringft's
+      ``enable_input_require_grads`` (LoRA + checkpointing) makes a leaf that requires grad, so
+      autograd's AccumulateGrad node keeps it on the GPU for the whole step; the input of the layer
+      being recomputed (``unpack_from_cpu``, another ``a*T*h``) is freed once the recompute is
+      done, before the backward's peak (full fine-tuning: that input is what the term covers);
     - no checkpointing: every layer's saved tensors (:func:`layer_saved`) plus its input;
     - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers).
 
@@ -322,6 +356,6 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
     layers = m.layers * per_layer
     cpu = 0
     if s.offload_activations and s.gradient_checkpointing:
-        on_gpu = min(2, m.layers) * per_layer
+        on_gpu = per_layer
         cpu, layers = layers - on_gpu, on_gpu
     return {"layers": layers, "rope": 2 * a * t * m.head_dim, "cpu": cpu}

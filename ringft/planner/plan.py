@@ -93,11 +93,12 @@ def build_plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     loss = loss_working_set(shape, setup)
     ckpt = checkpointed(shape, setup, saved)
     if setup.gradient_checkpointing:
-        layer_ws = max(work["mlp_phase"], work["attention_phase"])
+        layer_ws = max(work["mlp_phase"], work["norm_phase"], work["attention_phase"])
     else:  # the saved tensors are already counted as stored activations: transients only
         layer_ws = max(
             work["mlp_phase"] - sum(saved.values()),
             work["attention_phase"] - saved["norm1"] - saved["attention"] - saved["lora_attn"],
+            work["norm_transients"],
         )
     details = {f"layer_saved.{k}": v for k, v in saved.items()}
     details.update({f"layer_ws.{k}": v for k, v in work.items()})

@@ -56,8 +56,10 @@ def format_plan(plan: MemoryPlan) -> str:
     d = plan.details
     lines += [
         "",
-        "layer working set: MLP phase {} GiB, attention phase {} GiB (ring buffers {} GiB{})".format(
+        "layer working set: MLP phase {} GiB, norm phase {} GiB, attention phase {} GiB "
+        "(ring buffers {} GiB{})".format(
             _gib(d["layer_ws.mlp_phase"]),
+            _gib(d["layer_ws.norm_phase"]),
             _gib(d["layer_ws.attention_phase"]),
             _gib(d["layer_ws.ring_buffers"]),
             f", all-to-all buffers {_gib(d['layer_ws.all_to_all_buffers'])} GiB"
