@@ -39,6 +39,14 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+# LoRA only, on top of the whole ladder: adapters in the model's dtype (recipe lora.adapter_dtype:
+# model), no fp32 copy of each target's input
+LORA_LAST = (
+    "+ adapters in bf16 (`lora.adapter_dtype: model`)",
+    {**LADDER[-1][1], "lora_fp32_adapters": False},
+)
+
+
 def _options(mode: str, extra: dict[str, Any]) -> dict[str, Any]:
     """Planner options of one row: ZeRO-3, per-layer checkpointing, LoRA r16 for ``mode == "LoRA"``."""
     opts: dict[str, Any] = {"zero_stage": 3, "gradient_checkpointing": True, **extra}
@@ -59,7 +67,7 @@ def capacity_rows(gpu_mem: float) -> list[dict[str, Any]]:
     rows = []
     for model in MODELS:
         for mode in ("full", "LoRA"):
-            for name, extra in LADDER:
+            for name, extra in LADDER + ([LORA_LAST] if mode == "LoRA" else []):
                 opts = _options(mode, extra)
                 one = max_seq_len_that_fits(model, 1, gpu_mem, cp_size=1, **opts)
                 node = max_seq_len_that_fits(model, 8, gpu_mem, cp_size=8, **opts)
