@@ -39,11 +39,17 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-# LoRA only, on top of the whole ladder: adapters in the model's dtype (recipe lora.adapter_dtype:
-# model), no fp32 copy of each target's input
-LORA_LAST = (
+# Beside the ladder's last row: RMSNorms over token tiles (`train.tiled_norm_tokens`) on top of the
+# activation-offload row (tiled norms are refused under DeepSpeed, whose offload the last row
+# plans), then for LoRA the adapters in the model's dtype (`lora.adapter_dtype: model`: no fp32
+# copy of a target's input)
+TILED_NORMS = (
+    "act. offload + tiled norms (no ZeRO offload: DDP / FSDP)",
+    {**LADDER[3][1], "tiled_norm_tokens": 4096},
+)
+BF16_ADAPTERS = (
     "+ adapters in bf16 (`lora.adapter_dtype: model`)",
-    {**LADDER[-1][1], "lora_fp32_adapters": False},
+    {**TILED_NORMS[1], "lora_fp32_adapters": False},
 )
 
 
@@ -67,7 +73,7 @@ def capacity_rows(gpu_mem: float) -> list[dict[str, Any]]:
     rows = []
     for model in MODELS:
         for mode in ("full", "LoRA"):
-            for name, extra in LADDER + ([LORA_LAST] if mode == "LoRA" else []):
+            for name, extra in LADDER + [TILED_NORMS] + ([BF16_ADAPTERS] if mode == "LoRA" else []):
                 opts = _options(mode, extra)
                 one = max_seq_len_that_fits(model, 1, gpu_mem, cp_size=1, **opts)
                 node = max_seq_len_that_fits(model, 8, gpu_mem, cp_size=8, **opts)

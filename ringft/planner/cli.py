@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tiled-mlp-tokens", type=int, default=None, help="tokens per MLP tile (implies --tiled-mlp)"
     )
+    p.add_argument(
+        "--tiled-norm-tokens",
+        type=int,
+        default=None,
+        help="RMSNorms in tiles of this many tokens (recipe train.tiled_norm_tokens; not under DeepSpeed)",
+    )
     p.add_argument("--attn-backend", choices=ATTN_BACKENDS, default="flash_attn")
     p.add_argument("--overhead-gib", type=float, default=3.0, help="CUDA context, NCCL buffers, ...")
     p.add_argument("--explore-offload", action="store_true", help="also try every offload combination")
@@ -92,6 +98,7 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
         ("--lora-rank", args.lora_rank),
         ("--loss-chunk-size", args.loss_chunk_size),
         ("--tiled-mlp-tokens", args.tiled_mlp_tokens),
+        ("--tiled-norm-tokens", args.tiled_norm_tokens),
         ("--ulysses-size", args.ulysses_size),
     ]
     out = values.problems(
@@ -146,6 +153,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "loss_chunk_size": args.loss_chunk_size,
         "tiled_mlp": args.tiled_mlp or args.tiled_mlp_tokens is not None,
         "tiled_mlp_tokens": args.tiled_mlp_tokens,
+        "tiled_norm_tokens": args.tiled_norm_tokens,
         "attn_backend": args.attn_backend,
         "overhead_gib": args.overhead_gib,
         "ulysses_size": args.ulysses_size,

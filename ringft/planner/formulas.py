@@ -156,6 +156,10 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     - ``lora_attn`` / ``lora_mlp``: per LoRA target, the fp32 copy of its input ``4*in`` (bf16 model,
       fp32 adapters) and ``lora_A``'s output ``4*r``.
 
+    Tiled norms (``tiled_norm_tokens``, :mod:`ringft.model.tiled_norm`): each norm keeps views of
+    its input ``a*h`` (counted even where the input is kept anyway: conservative) instead of the
+    fp32 copy, ``rsqrt`` and normalised value.
+
     Full fine-tuning in bf16 gives ``T*(16*h + 2*(2*nh + 2*nkv)*d + 4*nh + 8*i + 8)``.
     """
     a = s.act_bytes
@@ -166,17 +170,20 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     norm_y = a * h if trains else 0
     n1_kept, lora_attn = _linear_inputs(s, m.projections("qkv"), h, r)
     norm1 = (4 * h if a != 4 else 0) + 4 + norm_y + (a * h if n1_kept else 0)
+    if s.tiled_norm_tokens:  # views of the input instead of the fp32 copy, rsqrt, normalised value
+        norm1 = a * h + (a * h if n1_kept else 0)
     attention = a * (2 * q + 2 * kv) + 4 * m.heads
     if s.ulysses_size > 1:
         attention = a * (3 * q + 2 * kv_heads_sent(m, s) * d) + 4 * m.heads
     attention += _qk_norm_saved(m, s) + _extra_norms_saved(m, s)
     lora_attn += _linear_inputs(s, m.projections("o"), q, r)[1]  # the attention output is kept anyway
     n2_kept, lora_mlp = _linear_inputs(s, m.projections("gate_up"), h, r)
+    norm2_own = a * h if s.tiled_norm_tokens else 4 * h + 4 + norm_y
     if s.tiled_mlp:
-        norm2 = 4 * h + 4 + norm_y + a * h
+        norm2 = norm2_own + a * h
         mlp, lora_mlp = 0, 0
     else:
-        norm2 = 4 * h + 4 + norm_y + (a * h if n2_kept else 0)
+        norm2 = norm2_own + (a * h if n2_kept else 0)
         p_kept, p_extra = _linear_inputs(s, m.projections("down"), i, r)
         mlp = 3 * a * i + (a * i if p_kept else 0)
         lora_mlp += p_extra
@@ -217,6 +224,10 @@ def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
 # the variance path), the mean's expanded grad and pow's ``x**1``, ``2*x`` and ``grad * 2x``. Counted
 # on CPU (torch 2.13, bf16 and fp32 alike) and on the GPU (H200, torch 2.11: five 2 GiB blocks at 128K).
 RMSNORM_BACKWARD_TEMPS = 5
+# A tiled norm's backward (ringft.model.tiled_norm): the tiles' input grads and their cat, plus two
+# more a*T*h that the CPU measurement shows (benchmarks/bench_tiled_norm.py); conservative on GPUs
+# until measured there.
+TILED_NORM_GRADS = 4
 
 
 def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict[str, int]:
@@ -254,6 +265,12 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
 
     ``norm_transients`` is the norm phase's part that no saved tensor accounts for (the grad and the
     temporaries), what the phase adds when the saved tensors are counted elsewhere (no checkpointing).
+
+    Tiled norms (``tiled_norm_tokens = c``): a norm's backward holds one tile's recompute and
+    temporaries ``c*(6*4*h + 4)`` plus its tiles' input grads, their cat and what else the CPU
+    measurement shows, :data:`TILED_NORM_GRADS` ``*a*T*h`` (in the norm phase, and in the attention
+    phase's gradient flow for the first norm), and the second norm keeps ``a*T*h`` of input views
+    instead of ``(4*h + 4)*T``. (Measured on CPU for one norm; not yet on a GPU.)
     """
     a = s.act_bytes
     t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
@@ -271,12 +288,22 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
     if s.ulysses_size > 1:
         all_to_all = 4 * a * t * (q + 2 * nkv * d)
     kernel = attention_kernel(m, s)
-    grad_flow = 2 * a * t * h + 4 * t * h
+    if s.tiled_norm_tokens:
+        # one tile's recompute (fp32 copy, rsqrt) and backward temporaries; the tiles' input grads
+        # and their cat, and two more a*T*h seen on CPU (benchmarks/bench_tiled_norm.py: 4*a*T*h in
+        # all matched the measured peak within 4 %; the GPU's count is not measured yet)
+        tile = min(t, s.tiled_norm_tokens)
+        norm_backward = tile * ((RMSNORM_BACKWARD_TEMPS + 1) * 4 * h + 4) + TILED_NORM_GRADS * a * t * h
+        norm_own = a * t * h  # the second norm's saved input views
+    else:
+        norm_backward = RMSNORM_BACKWARD_TEMPS * 4 * t * h
+        norm_own = t * (4 * h + 4)
+    grad_flow = 2 * a * t * h + (norm_backward if s.tiled_norm_tokens else 4 * t * h)
     mlp_phase = sum(saved.values()) + mlp_extra + a * t * h
     attn_saved = saved["norm1"] + saved["attention"] + saved["lora_attn"]
     attn_phase = attn_saved + max(kernel + ring, all_to_all) + grad_flow
-    norm_transients = a * t * h + RMSNORM_BACKWARD_TEMPS * 4 * t * h
-    norm_phase = attn_saved + t * (4 * h + 4) + norm_transients
+    norm_transients = a * t * h + norm_backward
+    norm_phase = attn_saved + norm_own + norm_transients
     if m.norms > 2:
         norm_phase = max(norm_phase, sum(saved.values()) + norm_transients)
     return {
@@ -314,6 +341,8 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     low = a if a != 4 else 0
     keep_out = trains or s.chunked_loss
     final_norm = t * (4 * h + 4 + (a * h if trains else 0) + (a * h if keep_out else 0))
+    if s.tiled_norm_tokens:  # views of its input instead of the fp32 copy, rsqrt, normalised value
+        final_norm = t * (a * h + (a * h if keep_out else 0))
     if not s.chunked_loss:
         return {"final_norm": final_norm, "logits": 12 * t * v}
     c = min(s.loss_chunk_size, t)

@@ -57,6 +57,7 @@ class TrainingSetup:
     attn_backend: str = "flash_attn"  # "torch": ringft's TorchBackend on CUDA expands K/V
     lora_fp32_adapters: bool = True  # peft's autocast_adapter_dtype=True default
     tiled_mlp_tokens: int | None = None  # tokens per MLP tile; None: hidden_size (ceil(T / h) tiles)
+    tiled_norm_tokens: int | None = None  # tokens per RMSNorm tile (train.tiled_norm_tokens); None: untiled
     zero3_prefetch_layers: int = 1
     overhead_gib: float = 3.0
     ulysses_size: int = 1  # 2D context parallelism: cp_size = ulysses_size x ring size
@@ -88,6 +89,7 @@ class TrainingSetup:
         out += values.problems(
             partial(values.as_number, "gpu_mem_gib", self.gpu_mem_gib, gt=0, fix="GiB per GPU, e.g. 79.6"),
             partial(values.as_integer, "tiled_mlp_tokens", self.tiled_mlp_tokens, 1, optional=True),
+            partial(values.as_integer, "tiled_norm_tokens", self.tiled_norm_tokens, 1, optional=True),
             partial(values.as_integer, "zero3_prefetch_layers", self.zero3_prefetch_layers, 0),
             partial(values.as_number, "overhead_gib", self.overhead_gib, 0),
             partial(

@@ -180,7 +180,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.Module:
-    """Checkpointing, the ring, the tiled MLP and LoRA, in that order; returns the model to train.
+    """Checkpointing, the ring, the tiled MLP and norms, and LoRA, in that order; returns the model.
 
     ``cp_group``: the CP process group, or the run's layout (``build_hybrid_layout``: with
     ``parallel.ulysses_size > 1`` the attention runs Ulysses x ring)."""
@@ -194,6 +194,10 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
         from ringft.model.tiled_mlp import enable_tiled_mlp
 
         enable_tiled_mlp(model, tile_tokens=t.tiled_mlp_tokens)
+    if t.tiled_norm_tokens:
+        from ringft.model.tiled_norm import enable_tiled_norm
+
+        enable_tiled_norm(model, tile_tokens=t.tiled_norm_tokens)
     if recipe.lora is not None:
         from peft import LoraConfig, get_peft_model
 

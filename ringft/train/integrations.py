@@ -50,7 +50,8 @@ def _launched_with(name: str) -> bool:
 def make_accelerator(recipe: Recipe) -> Any:
     """The ``Accelerator`` for this launch (gloo on CPU; DeepSpeed's CPU accelerator without GPUs).
 
-    Raises :class:`RecipeError` (on every rank, before any collective) for an FSDP launch without GPUs.
+    Raises :class:`RecipeError` (on every rank, before any collective) for an FSDP launch without GPUs
+    and for ``train.tiled_norm_tokens`` under DeepSpeed.
     """
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
@@ -65,6 +66,12 @@ def make_accelerator(recipe: Recipe) -> Any:
             "an FSDP launch config needs GPUs (accelerate runs FSDP only on accelerators; on CPU it "
             "would silently train without sharding): on CPU use recipes/accelerate/cpu_2proc.yaml, "
             "or a DeepSpeed ZeRO-3 config (DeepSpeed's CPU accelerator runs on gloo)"
+        )
+    if recipe.train.tiled_norm_tokens and _launched_with("DEEPSPEED"):
+        raise RecipeError(
+            "train.tiled_norm_tokens is not supported under DeepSpeed: ZeRO-3 gathers a norm's "
+            "partitioned weight in hooks of its own forward call, which a tile's recompute bypasses; "
+            "drop train.tiled_norm_tokens, or launch with an FSDP or DDP config"
         )
     if cpu and _launched_with("DEEPSPEED"):
         # accelerate's cpu=True would silently drop DeepSpeed, and cpu=False finds no backend

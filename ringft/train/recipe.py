@@ -190,10 +190,7 @@ class LoraConfig(Section):
     alpha: float = number(32, gt=0)
     dropout: float = number(0.0, lo=0, lt=1)
     target_modules: list[str] = text_list(["q_proj", "k_proj", "v_proj", "o_proj"])
-    # "fp32": adapters in fp32 (peft's default): each target casts its bf16 input to an fp32 copy
-    # kept for the backward (4 B per input feature per token, per target); "model": adapters in the
-    # model's dtype, no copies, the optimizer steps fp32 master weights (under DDP ringft keeps them,
-    # DeepSpeed / FSDP in their bf16 modes)
+    # fp32 (peft's default: an fp32 copy of each target's input kept); model: no copies, fp32 masters
     adapter_dtype: str = choice("fp32", ("fp32", "model"))
 
 
@@ -215,6 +212,7 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = boolean(True)
     offload_activations: bool = boolean(False)  # checkpointed layer inputs to CPU memory
     tiled_mlp_tokens: int | None = integer(None, lo=1, optional=True)  # MLP in tiles of this many tokens
+    tiled_norm_tokens: int | None = integer(None, lo=1, optional=True)  # RMSNorms in tiles (not DeepSpeed)
     chunked_loss: bool = boolean(True)  # LM head + cross-entropy in token chunks
     loss_chunk_size: int = integer(4096, lo=1)
     seed: int = integer(0, lo=0)
@@ -342,13 +340,6 @@ def recipe_from_dict(raw: dict[str, Any] | None, world_size: int | None = None) 
     return recipe
 
 
-def _parse_scalar(text_value: str) -> Any:
-    try:
-        return yaml.safe_load(text_value)
-    except yaml.YAMLError:
-        return text_value
-
-
 def apply_overrides(raw: dict[str, Any] | None, overrides: list[str]) -> dict[str, Any]:
     """Apply ``["--train.max_steps", "20", "--lora", "null", ...]`` to a parsed recipe (a copy)."""
     if len(overrides) % 2:
@@ -363,7 +354,10 @@ def apply_overrides(raw: dict[str, Any] | None, overrides: list[str]) -> dict[st
             if not isinstance(node.get(part), dict):
                 node[part] = {}
             node = node[part]
-        node[path[-1]] = _parse_scalar(value)
+        try:
+            node[path[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            node[path[-1]] = value  # not YAML: the text itself
     return raw
 
 
@@ -376,10 +370,8 @@ def launched_world_size() -> int | None:
 def load_recipe(
     path: str | Path, overrides: list[str] | None = None, world_size: int | None = None
 ) -> Recipe:
-    """Read a YAML recipe, apply ``--section.key value`` overrides, check it.
-
-    ``world_size`` defaults to the launch's ``WORLD_SIZE`` (see :func:`recipe_from_dict`).
-    """
+    """Read a YAML recipe, apply ``--section.key value`` overrides, check it (``world_size``: by
+    default the launch's ``WORLD_SIZE``; see :func:`recipe_from_dict`)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} does not exist")
