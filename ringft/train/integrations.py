@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ringft.loss.module import CausalLMLoss
 from ringft.loss.normalization import LossNormalization
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
@@ -161,6 +162,16 @@ def micro_step_context(module: nn.Module, kind: str, last: bool) -> contextlib.A
     return contextlib.nullcontext()
 
 
+def _loss_module(module: nn.Module) -> CausalLMLoss:
+    """The :class:`CausalLMLoss` inside ``module`` (itself, or under DDP / FSDP / a DeepSpeed engine)."""
+    found = next((m for m in module.modules() if isinstance(m, CausalLMLoss)), None)
+    if found is None:
+        raise TypeError(
+            f"run_micro_steps needs a (wrapped) ringft.loss.CausalLMLoss, got {type(module).__name__}"
+        )
+    return found
+
+
 def run_micro_steps(
     module: nn.Module,
     batches: Sequence[dict[str, Tensor]],
@@ -170,16 +181,22 @@ def run_micro_steps(
 ) -> Tensor:
     """Forward + backward of every micro-step of one optimizer step.
 
-    ``module(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens)`` returns the loss share
-    (:class:`ringft.loss.CausalLMLoss`, possibly wrapped by DDP / FSDP / a DeepSpeed engine);
-    ``batches`` hold ``(batch, seq_local)`` tensors; ``norm`` is the step's
+    ``module(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens, loss_scale)`` returns
+    the scaled loss share (:class:`ringft.loss.CausalLMLoss`, possibly wrapped by DDP / FSDP / a
+    DeepSpeed engine); ``batches`` hold ``(batch, seq_local)`` tensors; ``norm`` is the step's
     :func:`ringft.loss.loss_normalization`. ``backward(loss)`` runs the backward (DDP / FSDP;
     default ``loss.backward()``); a DeepSpeed engine's own backward is used for :data:`DEEPSPEED`.
+
+    The scale is applied inside the module, in fp32, and the logged shares are its fp32
+    ``last_loss``: a wrapper's output cast (FSDP2's ``output_dtype=bf16``) changes neither.
 
     Returns the sum of this rank's loss shares (fp32 0-d tensor, detached): summed over the world it
     is the step's mean token loss.
     """
     backward = backward or (lambda loss: loss.backward())
+    inner = _loss_module(module)
+    # DeepSpeed divides the loss by its gradient_accumulation_steps (= len(batches)): undone here.
+    scale = norm.loss_scale * (len(batches) if kind == DEEPSPEED else 1)
     total = torch.zeros((), dtype=torch.float32, device=norm.num_items_in_batch.device)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
@@ -190,11 +207,12 @@ def run_micro_steps(
                 shift_labels=batch["shift_labels"],
                 num_items_in_batch=norm.num_items_in_batch,
                 cu_seqlens=batch.get("cu_seqlens"),
+                loss_scale=scale,
             )
             if kind == DEEPSPEED:
                 module.set_gradient_accumulation_boundary(is_boundary=last)
-                module.backward(loss * (norm.loss_scale * len(batches)))
+                module.backward(loss)
             else:
-                backward(loss * norm.loss_scale)
-        total += loss.detach().float()
+                backward(loss)
+        total += inner.last_loss.float()
     return total

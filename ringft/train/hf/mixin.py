@@ -230,7 +230,7 @@ class RingTrainerMixin:
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         scale = loss_scale(self._ring.layout, self.args.average_tokens_across_devices)
-        return ring_loss(model, inputs, num_items_in_batch) * scale
+        return ring_loss(model, inputs, num_items_in_batch, scale)
 
     # -- evaluation and prediction -------------------------------------------------------------
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
