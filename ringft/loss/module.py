@@ -17,10 +17,16 @@ __all__ = ["CausalLMLoss", "causal_lm_loss"]
 class CausalLMLoss(nn.Module):
     """Wraps a causal LM (a transformers ``*ForCausalLM``, peft-wrapped or not).
 
-    ``forward(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens=None)`` takes
-    the collator's ``(batch, seq_local)`` tensors (and its per-row global document offsets) and the
-    step's denominator (see :func:`ringft.loss.loss_normalization`) and returns the fp32 scalar
-    ``sum of this rank's token losses / num_items_in_batch``.
+    ``forward(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens=None,
+    loss_scale=1)`` takes the collator's ``(batch, seq_local)`` tensors (and its per-row global
+    document offsets) and the step's denominator (see :func:`ringft.loss.loss_normalization`) and
+    returns the fp32 scalar ``loss_scale x sum of this rank's token losses / num_items_in_batch``.
+
+    A wrapper may cast that output: FSDP2's ``MixedPrecisionPolicy(output_dtype=bf16)`` (what
+    accelerate applies to every ``fully_shard``, this root module too) rounds it to bf16. So the
+    scale is applied here, in fp32, before any cast (the backward through the cast then carries an
+    exact 1, whatever the scale), and :attr:`last_loss` keeps the unscaled fp32 share of the last
+    forward (detached) for logging.
 
     Args:
         model: the causal LM.
@@ -36,6 +42,7 @@ class CausalLMLoss(nn.Module):
         self.model = model
         self.chunked, self.chunk_size = chunked, chunk_size
         self.offload_activations = offload_activations
+        self.last_loss: Tensor | None = None
 
     @property
     def config(self):
@@ -49,10 +56,12 @@ class CausalLMLoss(nn.Module):
         shift_labels: Tensor,
         num_items_in_batch: Tensor | int,
         cu_seqlens: list[list[int]] | None = None,
+        loss_scale: int | float = 1,
         **_: Any,
     ) -> Tensor:
-        """This rank's loss share for ``(batch, seq_local)`` inputs (fp32 scalar)."""
-        return causal_lm_loss(
+        """This rank's loss share for ``(batch, seq_local)`` inputs times ``loss_scale`` (fp32 scalar;
+        the unscaled share is kept in :attr:`last_loss`)."""
+        loss = causal_lm_loss(
             self.model,
             input_ids,
             position_ids,
@@ -63,6 +72,8 @@ class CausalLMLoss(nn.Module):
             chunk_size=self.chunk_size,
             offload_activations=self.offload_activations,
         )
+        self.last_loss = loss.detach()
+        return loss * loss_scale if loss_scale != 1 else loss
 
 
 def causal_lm_loss(

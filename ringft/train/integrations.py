@@ -15,6 +15,7 @@ Gradient reduction per micro-step (``run_micro_steps``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ringft.loss.module import CausalLMLoss
 from ringft.loss.normalization import LossNormalization
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
@@ -32,6 +34,7 @@ __all__ = [
     "FSDP",
     "check_precision",
     "configure_deepspeed",
+    "configure_fsdp_precision",
     "distributed_kind",
     "make_accelerator",
     "micro_step_context",
@@ -109,6 +112,44 @@ def check_precision(kind: str, accelerator: Any, recipe: Recipe) -> None:
     )
 
 
+def configure_fsdp_precision(accelerator: Any) -> str | None:
+    """Under FSDP, adjust the launch's mixed-precision policy (call before ``prepare``).
+
+    accelerate's ``mixed_precision: bf16`` gives FSDP1 ``MixedPrecision(param_dtype=bf16,
+    reduce_dtype=bf16, buffer_dtype=bf16)`` and FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16, output_dtype=bf16)``. ringft keeps the bf16 compute and changes:
+
+    - ``reduce_dtype`` -> fp32 (both versions): the gradient reduce-scatter sums the partial
+      gradients of every DP x CP rank; in bf16 each hop of the ring rounds the partial sum (the
+      error grows ~sqrt(world): benchmarks/bench_reduce_dtype.py), in fp32 the sum of the ranks'
+      bf16 gradients is exact to fp32 round-off (torchtitan's default, Megatron-LM's for bf16).
+      Cost: twice the reduce-scatter bytes, overlapped with the backward;
+    - FSDP1 ``buffer_dtype`` -> None (buffers keep their dtype): bf16 would round the rotary
+      ``inv_freq`` (kept fp32 by transformers), off by radians at long positions.
+
+    FSDP2's ``output_dtype=bf16`` stays (decoder layers keep bf16 outputs); the loss it casts is
+    read in fp32 (:class:`ringft.loss.CausalLMLoss`). Returns a one-line note when it changed
+    the policy, else None (no mixed precision, or already so).
+    """
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is None:  # no mixed precision: everything in the parameters' dtype
+        return None
+    changes: dict[str, Any] = {}
+    reduce = policy.reduce_dtype or policy.param_dtype  # FSDP1: None means param_dtype
+    if reduce not in (None, torch.float32, torch.float64):
+        changes["reduce_dtype"] = torch.float32
+    if getattr(policy, "buffer_dtype", None) not in (None, torch.float32, torch.float64):
+        changes["buffer_dtype"] = None
+    if not changes:
+        return None
+    plugin.mixed_precision_policy = dataclasses.replace(policy, **changes)
+    done = ["gradients reduced in fp32"] if "reduce_dtype" in changes else []
+    done += ["buffers kept in their dtype"] if "buffer_dtype" in changes else []
+    was = ", ".join(f"{k}={str(getattr(policy, k)).replace('torch.', '')}" for k in changes)
+    return f"ringft: FSDP mixed precision: {' and '.join(done)} (the launch's policy had {was})"
+
+
 def configure_deepspeed(accelerator: Any, recipe: Recipe, world: int) -> None:
     """Fill the DeepSpeed config from the recipe before ``prepare`` (which has no dataloader here).
 
@@ -168,6 +209,16 @@ def micro_step_context(module: nn.Module, kind: str, last: bool) -> contextlib.A
     return contextlib.nullcontext()
 
 
+def _loss_module(module: nn.Module) -> CausalLMLoss:
+    """The :class:`CausalLMLoss` inside ``module`` (itself, or under DDP / FSDP / a DeepSpeed engine)."""
+    found = next((m for m in module.modules() if isinstance(m, CausalLMLoss)), None)
+    if found is None:
+        raise TypeError(
+            f"run_micro_steps needs a (wrapped) ringft.loss.CausalLMLoss, got {type(module).__name__}"
+        )
+    return found
+
+
 def run_micro_steps(
     module: nn.Module,
     batches: Sequence[dict[str, Tensor]],
@@ -177,16 +228,22 @@ def run_micro_steps(
 ) -> Tensor:
     """Forward + backward of every micro-step of one optimizer step.
 
-    ``module(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens)`` returns the loss share
-    (:class:`ringft.loss.CausalLMLoss`, possibly wrapped by DDP / FSDP / a DeepSpeed engine);
-    ``batches`` hold ``(batch, seq_local)`` tensors; ``norm`` is the step's
+    ``module(input_ids, position_ids, shift_labels, num_items_in_batch, cu_seqlens, loss_scale)`` returns
+    the scaled loss share (:class:`ringft.loss.CausalLMLoss`, possibly wrapped by DDP / FSDP / a
+    DeepSpeed engine); ``batches`` hold ``(batch, seq_local)`` tensors; ``norm`` is the step's
     :func:`ringft.loss.loss_normalization`. ``backward(loss)`` runs the backward (DDP / FSDP;
     default ``loss.backward()``); a DeepSpeed engine's own backward is used for :data:`DEEPSPEED`.
+
+    The scale is applied inside the module, in fp32, and the logged shares are its fp32
+    ``last_loss``: a wrapper's output cast (FSDP2's ``output_dtype=bf16``) changes neither.
 
     Returns the sum of this rank's loss shares (fp32 0-d tensor, detached): summed over the world it
     is the step's mean token loss.
     """
     backward = backward or (lambda loss: loss.backward())
+    inner = _loss_module(module)
+    # DeepSpeed divides the loss by its gradient_accumulation_steps (= len(batches)): undone here.
+    scale = norm.loss_scale * (len(batches) if kind == DEEPSPEED else 1)
     total = torch.zeros((), dtype=torch.float32, device=norm.num_items_in_batch.device)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
@@ -197,11 +254,12 @@ def run_micro_steps(
                 shift_labels=batch["shift_labels"],
                 num_items_in_batch=norm.num_items_in_batch,
                 cu_seqlens=batch.get("cu_seqlens"),
+                loss_scale=scale,
             )
             if kind == DEEPSPEED:
                 module.set_gradient_accumulation_boundary(is_boundary=last)
-                module.backward(loss * (norm.loss_scale * len(batches)))
+                module.backward(loss)
             else:
-                backward(loss * norm.loss_scale)
-        total += loss.detach().float()
+                backward(loss)
+        total += inner.last_loss.float()
     return total

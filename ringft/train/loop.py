@@ -44,8 +44,10 @@ from ringft.train.errors import RecipeError
 from ringft.train.integrations import (
     DDP,
     DEEPSPEED,
+    FSDP,
     check_precision,
     configure_deepspeed,
+    configure_fsdp_precision,
     distributed_kind,
     make_accelerator,
     model_construction,
@@ -133,6 +135,8 @@ class Trainer:
         check_precision(self.kind, acc, recipe)
         if self.kind == DEEPSPEED:
             configure_deepspeed(acc, recipe, world)
+        if self.kind == FSDP and (note := configure_fsdp_precision(acc)):
+            acc.print(note)
         self.device = acc.device
         p = recipe.parallel
         self.layout = build_hybrid_layout(p.cp_size, p.ulysses_size, self.device.type)

@@ -10,6 +10,17 @@ directly, on CPU with gloo, 2 ranks x 2 micro-steps x 1 sequence.
 Tolerance: the runs compute the same fp32 values with the sums in another order (per micro-step and
 per shard vs one batch; chunked vs whole logits): eps32 x (tokens + vocab + hidden + intermediate)
 relative to the largest gradient entry, as in tests/model/test_memory_options.py.
+
+In the same processes, FSDP1 and FSDP2 (one unit per decoder layer and the root) under the policy
+accelerate builds for ``mixed_precision: bf16``, as ringft's trainers adjust it
+(``configure_fsdp_precision``: fp32 gradient reduction, FSDP1 buffers not cast). FSDP2's policy
+keeps ``output_dtype=bf16``, which also casts the root's output: the loss. Both loss paths
+(``run_micro_steps`` over ``CausalLMLoss``, and the mixin's ``ring_loss``) must log the fp32 loss
+and give the fp32 sum of the per-micro-step bf16 gradients; FSDP1 must leave the rotary ``inv_freq``
+fp32. Oracle: a bf16 copy of the model in one process, each micro-batch alone (the ranks' shapes, so
+the same bf16 kernels), fp64 sums. Tolerance ``BF16_RTOL``: the same values summed in another order,
+4 fp32 additions (4 eps32); bf16's own resolution (2^-8 relative, what the loss had when read from
+the cast output) is 2^13 times larger.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from ringft.ops.spawn import run_distributed
 SEQ, VOCAB, HIDDEN, INTERMEDIATE = 48, 300, 32, 64
 TOKENS = 4 * SEQ  # the global batch: 2 ranks x 2 micro-steps x 1 sequence
 RTOL = torch.finfo(torch.float32).eps * (TOKENS + VOCAB + HIDDEN + INTERMEDIATE)
+BF16_RTOL = 4 * torch.finfo(torch.float32).eps
 
 
 def _model():
@@ -89,7 +101,110 @@ def _fsdp_worker(rank: int, world: int, sync_kind: str) -> dict:
     with FSDP.summon_full_params(wrapped, with_grads=True):
         got = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in wrapped.named_parameters()}
     errors = {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in expected.items()}
-    return {"held": held, "total": total, "errors": errors}
+    return {"held": held, "total": total, "errors": errors, "bf16": _bf16_runs(rank, everything, n_all)}
+
+
+def _rel(got: dict, expected: dict) -> dict[str, float]:
+    return {n: ((got[n].double() - g).abs().max() / g.abs().max()).item() for n, g in expected.items()}
+
+
+def _bf16_policy(version: int):
+    """accelerate's policy for ``mixed_precision: bf16`` and FSDP ``version``, as ringft adjusts it."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from ringft.train.integrations import configure_fsdp_precision
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+    plugin.set_mixed_precision("bf16")
+    configure_fsdp_precision(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+    return plugin.mixed_precision_policy
+
+
+def _wrap(module, layers, version: int):
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    policy = _bf16_policy(version)
+    if version == 1:
+        wrap = ModuleWrapPolicy({type(layers[0])})
+        return FullyShardedDataParallel(
+            module,
+            auto_wrap_policy=wrap,
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+            mixed_precision=policy,
+        )
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(module, mp_policy=policy)
+
+
+def _full_grads(wrapped, version: int, prefix: str = "") -> dict[str, torch.Tensor]:
+    if version == 2:
+        return {prefix + n: p.grad.full_tensor() for n, p in wrapped.named_parameters()}
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+        return {
+            prefix + n.replace("_fsdp_wrapped_module.", ""): p.grad.clone()
+            for n, p in wrapped.named_parameters()
+        }
+
+
+def _bf16_runs(rank: int, everything: list[dict], n_all: torch.Tensor) -> dict:
+    """Both loss paths under the bf16 policies (see the module docstring): the logged loss's and
+    the gradients' relative errors, the dtypes of the mixin's losses and of the buffers."""
+    import torch.distributed as dist
+
+    from ringft.loss import CausalLMLoss, loss_normalization
+    from ringft.train.hf.forward import install_ring_loss_forward, ring_loss
+    from ringft.train.integrations import FSDP, run_micro_steps
+
+    world = dist.get_world_size()
+    reference = CausalLMLoss(_model(), chunked=True, chunk_size=16, offload_activations=False)
+    for p in reference.parameters():  # bf16 parameters, fp32 buffers (rotary inv_freq)
+        p.data = p.data.to(torch.bfloat16)
+    want_loss, want = torch.zeros((), dtype=torch.float64), {}
+    for batch in everything:  # each micro-batch alone, scaled as the ranks scale it (a power of 2: exact)
+        reference.zero_grad(set_to_none=True)
+        loss = reference(**batch, num_items_in_batch=n_all, loss_scale=world)
+        loss.backward()
+        want_loss += loss.double() / world
+        for n, p in reference.named_parameters():
+            want[n] = want.get(n, 0) + p.grad.double() / world  # FSDP averages over the world
+
+    mine = [everything[2 * rank + m] for m in range(2)]
+    norm = loss_normalization([b["shift_labels"] for b in mine])
+    out = {}
+    for version in (2, 1):
+        inner = _model()
+        module = CausalLMLoss(inner, chunked=True, chunk_size=16, offload_activations=False)
+        wrapped = _wrap(module, inner.model.layers, version)
+        logged = run_micro_steps(wrapped, mine, norm, FSDP)
+        dist.all_reduce(logged)
+        out[f"CausalLMLoss FSDP{version}"] = {
+            "loss": abs(logged.item() / want_loss.item() - 1),
+            "grads": _rel(_full_grads(wrapped, version), want),
+            "buffers": {str(b.dtype) for b in inner.buffers()},
+        }
+    lm = _model()
+    install_ring_loss_forward(lm, chunk_size=16, offload_activations=False)
+    lm = _wrap(lm, lm.model.layers, 2)
+    logged, dtypes = torch.zeros(()), set()
+    for batch in mine:
+        loss = ring_loss(lm, batch, norm.num_items_in_batch, norm.loss_scale)
+        dtypes.add(str(loss.dtype))
+        loss.backward()
+        logged += loss.detach() / norm.loss_scale
+    dist.all_reduce(logged)
+    out["ring_loss FSDP2"] = {
+        "loss": abs(logged.item() / want_loss.item() - 1),
+        "grads": _rel(_full_grads(lm, 2, "model."), want),
+        "dtypes": dtypes,
+    }
+    return out
 
 
 @pytest.mark.numerics
@@ -103,3 +218,36 @@ def test_fsdp_micro_steps_reduce_scatter_and_match_one_big_step():
         # after the first micro-step the rank holds its shard of the gradients (about half), not all
         shard = out["total"] / 2 + 64  # + FSDP's padding of each flat parameter to a multiple of 2
         assert out["held"][0] <= shard, f"rank {rank}: {out['held'][0]} gradient entries of {out['total']}"
+        # accelerate's bf16 policies as ringft adjusts them: the fp32 loss, fp32 sums of bf16 gradients
+        for path, res in out["bf16"].items():
+            assert res["loss"] <= BF16_RTOL, f"rank {rank} {path}: logged loss off by {res['loss']:.2e}"
+            worst = max(res["grads"], key=res["grads"].get)
+            assert res["grads"][worst] <= BF16_RTOL, (
+                f"rank {rank} {path}: grad {worst} {res['grads'][worst]:.2e}"
+            )
+            assert res.get("buffers", {"torch.float32"}) == {"torch.float32"}, (path, res["buffers"])
+        assert out["bf16"]["ring_loss FSDP2"]["dtypes"] == {"torch.float32"}, out["bf16"]
+
+
+def test_fsdp_precision_policy_reduces_in_fp32_and_keeps_buffers():
+    """``configure_fsdp_precision`` on accelerate's bf16 policies: fp32 reduce, bf16 compute kept
+    (and FSDP2's bf16 outputs), FSDP1 buffers not cast; a second call and no policy change nothing."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from ringft.train.integrations import configure_fsdp_precision
+
+    for version in (1, 2):
+        policy = _bf16_policy(version)
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
+        if version == 1:
+            assert policy.buffer_dtype is None, policy
+        else:
+            assert policy.output_dtype == torch.bfloat16, policy
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+        accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+        assert configure_fsdp_precision(accelerator) is None  # mixed_precision "no": no policy
+        plugin.set_mixed_precision("bf16")
+        assert "gradients reduced in fp32" in configure_fsdp_precision(accelerator)
+        assert configure_fsdp_precision(accelerator) is None

@@ -4,11 +4,17 @@ The chunked loss (``ringft.loss.causal_lm_loss``: decoder -> ``lm_head`` in toke
 the full ``(tokens, vocab)`` logits) must run inside the wrapped model's forward, so that DDP's
 reducer, ZeRO-3's parameter gathering and FSDP's unsharding see one ordinary forward.
 :func:`install_ring_loss_forward` therefore gives the causal LM (under its peft wrapper, if any) a
-forward that takes one more keyword: ``model(..., ringft_loss=True)`` returns
-``CausalLMOutputWithPast(loss=sum of this rank's token losses / num_items_in_batch)``; without it
-the forward is the previous one (generation, TRL's own fused head, ``predict``'s logits). The
+forward that takes more keywords: ``model(..., ringft_loss=True, ringft_loss_scale=s)`` returns
+``CausalLMOutputWithPast(loss=s x sum of this rank's token losses / num_items_in_batch)``; without
+``ringft_loss`` the forward is the previous one (generation, TRL's own fused head, ``predict``'s logits). The
 wrapper keeps the model's signature (``Trainer`` reads the column names from it) and binds to the
 instance, so a deep copy of the model binds to the copy.
+
+A wrapper may cast that output: FSDP2's ``MixedPrecisionPolicy(output_dtype=bf16)`` (accelerate's,
+on every ``fully_shard``, the root model too) rounds it to bf16. So the scale is applied inside, in
+fp32, before the cast (the backward through the cast carries an exact 1), the forward keeps its
+fp32 result on the model (detached), and :func:`ring_loss` returns a loss whose *value* is that fp32
+result and whose gradient flows through the wrapper's output: the Trainer logs the fp32 loss.
 
 :func:`eval_loss_sum` and :func:`predict_logits` are the no-grad model calls of ``evaluate`` and
 ``predict``.
@@ -40,6 +46,8 @@ __all__ = [
 ]
 
 RING_LOSS = "ringft_loss"
+RING_LOSS_SCALE = "ringft_loss_scale"
+_LAST_LOSS = "_ringft_last_loss"  # the forward's fp32 scaled loss (detached), on the causal LM
 IGNORE_INDEX = -100
 
 
@@ -67,7 +75,9 @@ def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_a
         return
 
     @functools.wraps(type(lm).forward)
-    def ring_forward(self, *args: Any, ringft_loss: bool = False, **kwargs: Any) -> Any:
+    def ring_forward(
+        self, *args: Any, ringft_loss: bool = False, ringft_loss_scale: int | float = 1, **kwargs: Any
+    ) -> Any:
         if not ringft_loss:
             return self._ringft_previous_forward(*args, **kwargs)
         s = self._ringft_loss_settings
@@ -82,6 +92,8 @@ def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_a
             chunk_size=s.chunk_size,
             offload_activations=s.offload_activations,
         )
+        loss = loss * ringft_loss_scale if ringft_loss_scale != 1 else loss
+        setattr(self, _LAST_LOSS, loss.detach())
         return CausalLMOutputWithPast(loss=loss)
 
     lm._ringft_previous_forward = lm.forward  # the class's, or an earlier wrapper (TRL's fused head)
@@ -96,23 +108,43 @@ def remove_ring_loss_forward(model: torch.nn.Module) -> None:
         return
     previous = lm.__dict__.pop("_ringft_previous_forward")
     del lm._ringft_loss_settings
+    lm.__dict__.pop(_LAST_LOSS, None)
     if getattr(previous, "__func__", None) is getattr(type(lm), "forward", None):
         del lm.forward  # it was the class's own
     else:
         lm.forward = previous
 
 
-def ring_loss(model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor | int) -> torch.Tensor:
-    """``sum of this rank's token losses in batch / num_items`` through ``model`` (wrapped or not)."""
+def _ring_loss_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM with the ring-loss forward inside ``model`` (under DDP / FSDP / DeepSpeed / peft)."""
+    for m in model.modules():
+        if getattr(m, "_ringft_loss_settings", None) is not None:
+            return m
+    raise TypeError(f"{type(model).__name__} has no ring-loss forward (install_ring_loss_forward)")
+
+
+def ring_loss(
+    model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor | int, scale: int | float = 1
+) -> torch.Tensor:
+    """``scale x sum of this rank's token losses in batch / num_items`` through ``model`` (wrapped
+    or not): fp32, its value the forward's own even when a wrapper cast the output (the gradient
+    flows through the wrapper's output)."""
     out = model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
         shift_labels=batch["shift_labels"],
         num_items_in_batch=num_items,
         **_offsets(batch),
-        **{RING_LOSS: True},
+        **{RING_LOSS: True, RING_LOSS_SCALE: scale},
     )
-    return out["loss"] if isinstance(out, dict) else out.loss
+    loss = out["loss"] if isinstance(out, dict) else out.loss
+    exact = getattr(_ring_loss_model(model), _LAST_LOSS)
+    if loss.dtype == exact.dtype:
+        return loss
+    # value: exact (the difference of two floats within a factor 2 of each other is exact in fp32,
+    # so the sum is exact too); gradient: 1 through the cast output.
+    loss = loss.to(exact.dtype)
+    return loss + (exact - loss).detach()
 
 
 def _cp_sum(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:

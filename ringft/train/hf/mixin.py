@@ -42,6 +42,7 @@ from ringft.train.hf.data import RingCollate, gather_over_dp, shard_loader_over_
 from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, predict_logits, ring_loss
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
 from ringft.train.hf.versions import check_versions
+from ringft.train.integrations import configure_fsdp_precision
 
 __all__ = ["RingTrainerMixin"]
 
@@ -153,6 +154,9 @@ class RingTrainerMixin:
             enable_tiled_mlp(self.model, tile_tokens=tiled_mlp_tokens)
         if self.is_fsdp_enabled:  # reduce-scatter every micro-step: a rank never holds unsharded gradients
             self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+            note = configure_fsdp_precision(self.accelerator)  # (the Trainer prepares the model later)
+            if note:
+                self.accelerator.print(note)
         self.loss_is_scaled_for_ga = True  # the loss is divided by the whole step's count
         self._ring = _Ring(layout, *_pad_ids(self.processing_class))
 
@@ -230,7 +234,7 @@ class RingTrainerMixin:
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         scale = loss_scale(self._ring.layout, self.args.average_tokens_across_devices)
-        return ring_loss(model, inputs, num_items_in_batch) * scale
+        return ring_loss(model, inputs, num_items_in_batch, scale)
 
     # -- evaluation and prediction -------------------------------------------------------------
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
