@@ -15,10 +15,11 @@ key-value heads of dimension 256 (scale ``query_pre_attn_scalar ** -0.5`` = 1/16
 sliding window 512 on 5 of every 6 layers (RoPE base 1e4) and full attention on layers 5, 11, 17
 (RoPE base 1e6), 32768 positions, tied embeddings, vocabulary 262144. No chat template (base model).
 
-The conversion runs once (about 3 minutes on 2 CPU cores: transformers parses the 262K-token
-vocabulary from the GGUF metadata in Python): the result is written to a temporary folder beside
-``--output`` and renamed into place with a completion marker, so an interrupted run never leaves a
-folder that looks finished; concurrent callers wait on a lock file. A later call returns at once.
+The conversion runs once (about 2 minutes on 2 CPU cores, most of it parsing the 262K-token
+vocabulary from the GGUF metadata in Python, done once: gguf_folder.py): the result is written to
+a temporary folder beside ``--output`` and renamed into place with a completion marker, so an
+interrupted run never leaves a folder that looks finished; concurrent callers wait on a lock file.
+A later call returns at once.
 
 Example::
 

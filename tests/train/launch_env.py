@@ -35,9 +35,10 @@ def launch_env(**extra: str) -> dict[str, str]:
     )
 
 
-def build_deepspeed_ops(ops: tuple[str, ...] = ("ShareMemCommBuilder",)) -> None:
-    """Clear stale build locks, then build ``ops`` in one process (``RuntimeError`` on failure,
-    ``subprocess.TimeoutExpired`` past :data:`BUILD_TIMEOUT`)."""
+def start_deepspeed_build(ops: tuple[str, ...] = ("ShareMemCommBuilder",)) -> subprocess.Popen:
+    """Clear stale build locks, then start building ``ops`` in one background process (so that a
+    test can do one-process work on the other core meanwhile); :func:`finish_deepspeed_build`
+    waits for it."""
     for lock in EXTENSIONS_DIR.rglob("lock"):
         if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink()
@@ -46,8 +47,29 @@ def build_deepspeed_ops(ops: tuple[str, ...] = ("ShareMemCommBuilder",)) -> None
         f"for name in {ops!r}:\n"
         "    get_accelerator().create_op_builder(name).load()\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=launch_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=launch_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+
+
+def finish_deepspeed_build(proc: subprocess.Popen, timeout: float = BUILD_TIMEOUT) -> None:
+    """Wait for a build started by :func:`start_deepspeed_build`: ``RuntimeError`` on failure,
+    ``subprocess.TimeoutExpired`` (the build killed) past ``timeout`` seconds."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
     if proc.returncode != 0:
-        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise RuntimeError(out[-3000:] + err[-6000:])
+
+
+def build_deepspeed_ops(ops: tuple[str, ...] = ("ShareMemCommBuilder",)) -> None:
+    """Clear stale build locks, then build ``ops`` in one process (``RuntimeError`` on failure,
+    ``subprocess.TimeoutExpired`` past :data:`BUILD_TIMEOUT`)."""
+    finish_deepspeed_build(start_deepspeed_build(ops))

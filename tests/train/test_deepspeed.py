@@ -44,7 +44,13 @@ from tests.tiny_training import (
     final_weights,
     tiny_recipe,
 )
-from tests.train.launch_env import BUILD_TIMEOUT, EXTENSIONS_DIR, build_deepspeed_ops, launch_env
+from tests.train.launch_env import (
+    BUILD_TIMEOUT,
+    EXTENSIONS_DIR,
+    finish_deepspeed_build,
+    launch_env,
+    start_deepspeed_build,
+)
 from tests.workers import train_runs
 
 pytest.importorskip("deepspeed")
@@ -91,17 +97,6 @@ def _launch(tmp_path: Path, launch_config: Path, raw: dict, *extra: str) -> None
     assert "ringft: " in proc.stdout, proc.stdout[-3000:]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def deepspeed_ops_built() -> None:
-    """DeepSpeed's CPU all-reduce and CPU Adam built before any launch (launch_env.build_deepspeed_ops)."""
-    try:
-        build_deepspeed_ops(DEEPSPEED_OPS)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"DeepSpeed CPU op build took over {BUILD_TIMEOUT} s (held lock in {EXTENSIONS_DIR}?)")
-    except RuntimeError as exc:
-        pytest.fail(f"DeepSpeed CPU op build failed: {exc}")
-
-
 def _metric(output_dir: Path, key: str = "loss") -> list[float]:
     """One column of the run's metrics.jsonl, in step order."""
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -139,10 +134,44 @@ def initial(model: str) -> dict[str, torch.Tensor]:
 WEIGHT_DECAY = {"weight_decay": 0.5}  # decays by lr * 0.5 * w = ~1 % of an AdamW step at lr 1e-3
 
 
-def _reference(tmp_path: Path, data: str, model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    single = pretrained_recipe(tmp_path / "one", data, model, train={"micro_batch_size": 4, **WEIGHT_DECAY})
-    ref = run_distributed(train_runs, 1, [{"recipe": single}], str(tmp_path), timeout=RUN_TIMEOUT)
-    return ref[0][0]["losses"], final_weights(tmp_path / "one")
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+LORA_TRAIN = {"lr": 1e-2, "chunked_loss": True}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, data_path, model_dir) -> Path:
+    """The one-process references of every test here, in one 1-process spawn (the same recipe for
+    the ZeRO-3 and the offload runs: ``one``; the LoRA run: ``one-lora`` with its starting adapter
+    ``adapter-start.safetensors``), computed while DeepSpeed's CPU all-reduce and CPU Adam build in
+    a background process on the other core (launch_env: stale locks cleared, the build under a
+    timeout, in one process); both are done before any launch."""
+    root = tmp_path_factory.mktemp("references")
+    build = start_deepspeed_build(DEEPSPEED_OPS)
+    try:
+        single = pretrained_recipe(
+            root / "one", data_path, model_dir, train={"micro_batch_size": 4, **WEIGHT_DECAY}
+        )
+        lora = pretrained_recipe(root / "one-lora", data_path, model_dir, train=LORA_TRAIN, lora=LORA)
+        runs = [
+            {"recipe": single},
+            {"recipe": lora, "initial_adapter": str(root / "adapter-start.safetensors")},
+        ]
+        results = run_distributed(train_runs, 1, runs, str(root), timeout=RUN_TIMEOUT)[0]
+    finally:
+        try:
+            finish_deepspeed_build(build)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"DeepSpeed CPU op build took over {BUILD_TIMEOUT} s (held lock in {EXTENSIONS_DIR}?)"
+            )
+        except RuntimeError as exc:
+            pytest.fail(f"DeepSpeed CPU op build failed: {exc}")
+    (root / "losses.json").write_text(json.dumps([r["losses"] for r in results]))
+    return root
+
+
+def _reference_losses(root: Path, index: int) -> list[float]:
+    return json.loads((root / "losses.json").read_text())[index]
 
 
 def _zero3_recipe(output_dir: Path, data: str, model: str) -> dict:
@@ -166,11 +195,11 @@ def _zero3_recipe(output_dir: Path, data: str, model: str) -> dict:
 
 @pytest.mark.numerics
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
-def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):
+def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, references):
     """ZeRO-3 with the shipped zero3_init_flag (dp=2 x cp=2, grad_accum 2, weight decay 0.5) == one
     process on the same global batch: losses, gradient norms and the exported weights' update; then
     --resume from the step-2 DeepSpeed checkpoint ends at the same weights."""
-    ref_losses, ref_weights = _reference(tmp_path, data_path, model_dir)
+    ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")
     launch = _launch_config(tmp_path, "deepspeed_zero3.yaml", 4)
     out = tmp_path / "zero3"
     _launch(tmp_path, launch, _zero3_recipe(out, data_path, model_dir))
@@ -178,7 +207,9 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):
     assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL)
     # DeepSpeed's global gradient norm (what it clips with) == the one-process norm: the gradients'
     # relative error over the steps (UPDATE_RTOL); a wrong accumulation scale would be 2x.
-    assert _metric(out, "grad_norm") == pytest.approx(_metric(tmp_path / "one", "grad_norm"), rel=UPDATE_RTOL)
+    assert _metric(out, "grad_norm") == pytest.approx(
+        _metric(references / "one", "grad_norm"), rel=UPDATE_RTOL
+    )
     weights = final_weights(out)
     assert_updates_close(weights, ref_weights, initial(model_dir), UPDATE_RTOL)
     step2 = out / "checkpoints" / "step-00000002"
@@ -195,11 +226,11 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir):
+def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, references):
     """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
     accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
     x grad_accum 2 == one process with micro 4."""
-    ref_losses, ref_weights = _reference(tmp_path, data_path, model_dir)
+    ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")
     raw = pretrained_recipe(
         tmp_path / "offload",
         data_path,
@@ -214,22 +245,16 @@ def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir):
+def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir, references):
     """LoRA (q/v) under ZeRO-3, dp=1 x cp=2: losses and the exported adapter's update == one process."""
     from safetensors.torch import load_file
 
-    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-    train = {"lr": 1e-2, "chunked_loss": True}
-    single = pretrained_recipe(tmp_path / "one", data_path, model_dir, train=train, lora=lora)
-    start = tmp_path / "adapter-start.safetensors"
-    run = {"recipe": single, "initial_adapter": str(start)}
-    ref = run_distributed(train_runs, 1, [run], str(tmp_path), timeout=RUN_TIMEOUT)
     raw = pretrained_recipe(
-        tmp_path / "lora", data_path, model_dir, parallel={"cp_size": 2}, train=train, lora=lora
+        tmp_path / "lora", data_path, model_dir, parallel={"cp_size": 2}, train=LORA_TRAIN, lora=LORA
     )
     _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 2), raw)
-    assert _metric(tmp_path / "lora") == pytest.approx(ref[0][0]["losses"], rel=LOSS_RTOL)
+    assert _metric(tmp_path / "lora") == pytest.approx(_reference_losses(references, 1), rel=LOSS_RTOL)
     got = load_file(str(tmp_path / "lora" / "final" / "adapter_model.safetensors"))
-    want = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+    want = load_file(str(references / "one-lora" / "final" / "adapter_model.safetensors"))
     assert any("lora_B" in k for k in got)
-    assert_updates_close(got, want, load_file(str(start)), UPDATE_RTOL)
+    assert_updates_close(got, want, load_file(str(references / "adapter-start.safetensors")), UPDATE_RTOL)

@@ -32,7 +32,7 @@ from tests.tiny_training import (
     initial_weights,
     tiny_recipe,
 )
-from tests.workers import one_thread, train_runs
+from tests.workers import fresh_group, one_thread, train_runs
 
 # ---------------------------------------------------------------------------------------------
 # Workers (module level: run_distributed spawns and imports this module)
@@ -82,6 +82,15 @@ def _lora_worker(rank: int, world: int, raw: dict) -> dict:
         merged = loaded.merge_and_unload()
         out["merged_vs_adapted"] = (merged(input_ids=ids).logits - adapted).abs().max().item()
     return out
+
+
+def _runs_then_lora(rank: int, world: int, runs: list[dict], store_dir: str, lora_raw: dict) -> dict:
+    """``train_runs(runs)``, then ``_lora_worker(lora_raw)`` in the same processes (a fresh group):
+    the 2-rank runs of test_grad_accum_matches_larger_micro_batch and the LoRA test share one
+    process start."""
+    results = train_runs(rank, world, runs, store_dir)
+    fresh_group(store_dir, len(runs), rank, world)
+    return {"runs": results, "lora": _lora_worker(rank, world, lora_raw)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,24 +258,50 @@ def masked_data_path(tmp_path_factory) -> str:
     return str(path)
 
 
+def _accum_recipes(root: Path, data: str) -> tuple[dict, dict]:
+    accum = tiny_recipe(
+        root / "accum",
+        data,
+        parallel={"cp_size": 2},
+        train={"micro_batch_size": 1, "grad_accum": 2, "gradient_checkpointing": True},
+    )
+    big = tiny_recipe(root / "big", data, parallel={"cp_size": 2}, train={"micro_batch_size": 2})
+    return accum, big
+
+
+def _lora_recipe(root: Path, data: str) -> dict:
+    return tiny_recipe(
+        root / "lora",
+        data,
+        parallel={"cp_size": 2},
+        train={"lr": 1e-2, "chunked_loss": True},
+        lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    )
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, data_path, masked_data_path) -> tuple[Path, list[dict], list[list[dict]]]:
+    """One 2-rank spawn for two tests: the grad-accum pair (``accum``, ``big``), then the LoRA run.
+    Returns the runs' folder, per rank the LoRA result, and per rank the two runs' results."""
+    root = tmp_path_factory.mktemp("two-rank")
+    runs = [{"recipe": r} for r in _accum_recipes(root, masked_data_path)]
+    results = run_distributed(
+        _runs_then_lora, 2, runs, str(root / "store"), _lora_recipe(root, data_path), timeout=2 * RUN_TIMEOUT
+    )
+    return root, [r["lora"] for r in results], [r["runs"] for r in results]
+
+
 @pytest.mark.numerics
-@pytest.mark.timeout(300)
-def test_grad_accum_matches_larger_micro_batch(tmp_path, masked_data_path):
+@pytest.mark.timeout(600)
+def test_grad_accum_matches_larger_micro_batch(two_rank_runs, masked_data_path):
     """cp=2: grad_accum=2 x micro_batch 1 (with gradient checkpointing) == grad_accum=1 x micro_batch 2,
     on data where some micro-batches hold no valid target (they must add 0 to the denominator)."""
     import datasets
 
     from ringft.train.data import example_indices
 
-    accum = tiny_recipe(
-        tmp_path / "accum",
-        masked_data_path,
-        parallel={"cp_size": 2},
-        train={"micro_batch_size": 1, "grad_accum": 2, "gradient_checkpointing": True},
-    )
-    big = tiny_recipe(
-        tmp_path / "big", masked_data_path, parallel={"cp_size": 2}, train={"micro_batch_size": 2}
-    )
+    root, _, results = two_rank_runs
+    accum, big = _accum_recipes(root, masked_data_path)
     labels = datasets.load_from_disk(masked_data_path)["labels"]
     recipe, layout = recipe_from_dict(accum), _layout(1, 2, 0)
     mixed = [  # steps where one micro-batch has targets and the other has none
@@ -283,13 +318,11 @@ def test_grad_accum_matches_larger_micro_batch(tmp_path, masked_data_path):
         == [False, True]
     ]
     assert mixed, "the data order must give a step with one micro-batch without any target"
-    runs = [{"recipe": accum}, {"recipe": big}]
-    results = run_distributed(train_runs, 2, runs, str(tmp_path), timeout=RUN_TIMEOUT)
     for rank, (a, b) in enumerate(results):
         assert len(a["losses"]) == STEPS
         assert a["losses"] == pytest.approx(b["losses"], rel=LOSS_RTOL), f"rank {rank}"
     assert_updates_close(
-        final_weights(tmp_path / "accum"), final_weights(tmp_path / "big"), initial_weights(big), UPDATE_RTOL
+        final_weights(root / "accum"), final_weights(root / "big"), initial_weights(big), UPDATE_RTOL
     )
 
 
@@ -423,19 +456,13 @@ def test_document_masking_checks_the_offsets_at_load(tmp_path, packed_data_path)
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(300)
-def test_lora_trains_and_exports_a_loadable_adapter(tmp_path, data_path):
-    raw = tiny_recipe(
-        tmp_path / "lora",
-        data_path,
-        parallel={"cp_size": 2},
-        train={"lr": 1e-2, "chunked_loss": True},
-        lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-    )
-    r0, r1 = run_distributed(_lora_worker, 2, raw, timeout=RUN_TIMEOUT)
+@pytest.mark.timeout(600)
+def test_lora_trains_and_exports_a_loadable_adapter(two_rank_runs):
+    """LoRA on cp=2 (run in the 2-rank spawn of ``two_rank_runs``, after the grad-accum pair)."""
+    root, (r0, r1), _ = two_rank_runs
     assert len(r0["losses"]) == 4 and r0["losses"] == r1["losses"]
     assert r0["trainable"] and all("lora_" in k for k in r0["trainable"])  # the base stays frozen
-    final = tmp_path / "lora" / "final"
+    final = root / "lora" / "final"
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
     assert (final / "adapter_model.safetensors").is_file()
