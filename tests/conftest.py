@@ -19,13 +19,34 @@ test module: no test module imports another one, tests/test_architecture.py chec
 
 The fixtures below are built once per session, and only for the tests that ask for them (no
 per-test cost for the others).
+
+Spawned ranks start as forks of one fork server per pytest process (``ringft.ops.spawn``), which
+imports torch and the modules below once: a rank then costs a fork, not 5-10 s of imports on a busy
+2-core machine (transformers' modeling code is most of it).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "olmo2")
+os.environ.setdefault(
+    "RINGFT_SPAWN_PRELOAD",
+    ",".join(
+        [
+            "transformers.modeling_utils",
+            *(f"transformers.models.{m}.modeling_{m}" for m in _MODELS),
+            "peft",
+            "datasets",
+            "ringft.model",
+            "ringft.train",
+            "tests.tiny_models",
+        ]
+    ),
+)
 
 # Helpers are imported inside the fixtures: collecting a test that needs none of them (the
 # architecture test) does not import torch.
