@@ -75,6 +75,18 @@ def saved_tiny_model(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(request) -> None:
+    """Start the fork server while the first tests run (its imports take one core for a few seconds)
+    when a collected test module spawns ranks. Started here, inside the first test's output capture,
+    it hands the ranks that capture's files (not the terminal)."""
+    items = request.session.items
+    if any("run_distributed" in vars(getattr(item, "module", None) or object) for item in items):
+        from ringft.ops.spawn import start_fork_server
+
+        start_fork_server()
+
+
 _ONE_THREAD_DIRS = {"ops", "loss", "data", "model"}
 _REAL_WEIGHTS = {"test_real_model.py", "test_gemma3_real.py"}  # matmuls big enough for 2 threads
 

@@ -42,6 +42,15 @@ def _context():
     return ctx
 
 
+def start_fork_server() -> None:
+    """Start the fork server now, so that its imports run in the background and the first
+    :func:`run_distributed` waits less; nothing where there is no fork server or it runs already."""
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def _worker(fn, rank: int, world_size: int, port: int, timeout: float, args, queue, env) -> None:
     import torch
     import torch.distributed as dist
