@@ -48,6 +48,7 @@ os.environ.setdefault(
             "ringft.model",
             "ringft.train",
             "tests.tiny_models",
+            "pytest",  # a rank re-runs pytest's __main__ (multiprocessing's main-module fix-up)
         ]
     ),
 )
