@@ -19,13 +19,39 @@ test module: no test module imports another one, tests/test_architecture.py chec
 
 The fixtures below are built once per session, and only for the tests that ask for them (no
 per-test cost for the others).
+
+Tests of tests/ops, tests/loss, tests/data and tests/model (but the real-weights files) run with
+one torch thread, fixtures included: their tensors are tiny, and a second thread only adds
+barriers (3-10x the wall time on a busy 2-core machine). Spawned ranks run one thread each.
+
+Spawned ranks start as forks of one fork server per pytest process (``ringft.ops.spawn``), which
+imports torch and the modules below once: a rank then costs a fork, not 5-10 s of imports on a busy
+2-core machine (transformers' modeling code is most of it).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "olmo2")
+os.environ.setdefault(
+    "RINGFT_SPAWN_PRELOAD",
+    ",".join(
+        [
+            "transformers.modeling_utils",
+            *(f"transformers.models.{m}.modeling_{m}" for m in _MODELS),
+            "peft",
+            "datasets",
+            "ringft.model",
+            "ringft.train",
+            "tests.tiny_models",
+            "pytest",  # a rank re-runs pytest's __main__ (multiprocessing's main-module fix-up)
+        ]
+    ),
+)
 
 # Helpers are imported inside the fixtures: collecting a test that needs none of them (the
 # architecture test) does not import torch.
@@ -48,3 +74,35 @@ def saved_tiny_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny") / "model"
     save_tiny_model(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(request) -> None:
+    """Start the fork server while the first tests run (its imports take one core for a few seconds)
+    when a collected test module spawns ranks. Started here, inside the first test's output capture,
+    it hands the ranks that capture's files (not the terminal)."""
+    items = request.session.items
+    if any("run_distributed" in vars(getattr(item, "module", None) or object) for item in items):
+        from ringft.ops.spawn import start_fork_server
+
+        start_fork_server()
+
+
+_ONE_THREAD_DIRS = {"ops", "loss", "data", "model"}
+_REAL_WEIGHTS = {"test_real_model.py", "test_gemma3_real.py"}  # matmuls big enough for 2 threads
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """One torch thread around a tiny-tensor test's whole protocol (module fixtures included)."""
+    parts = item.path.relative_to(Path(__file__).parent).parts
+    if parts[0] not in _ONE_THREAD_DIRS or item.path.name in _REAL_WEIGHTS:
+        return (yield)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return (yield)
+    finally:
+        torch.set_num_threads(threads)

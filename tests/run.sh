@@ -11,12 +11,13 @@ ruff check ringft tests benchmarks data_prep
 python -m pytest -q tests "$@"
 if [ "${RINGFT_NUMERICS2:-1}" != "0" ]; then
   echo "--- numerics tests again under MKL SSE4_2 / oneDNN SSE41 / ATen default kernels ---"
-  # CI reruns the operator-, loss- and model-level exactness tests here: they hold the tightest
-  # bounds, and every trainer / evaluation equivalence sits on top of them. The real-weights model
-  # tests are left out (their bounds are a multiple of transformers' own sdpa-vs-eager spread,
-  # measured in the same process, so they follow the instruction set by construction), as are the
-  # trainer- and evaluation-level ones (~10 min more on 2 cores). RINGFT_NUMERICS2=all runs every
-  # numerics test in this pass.
+  # CI reruns the operator-, loss- and model-level exactness tests here (~90 tests, about 120
+  # CPU-seconds: one spawn per module, ranks forked from a fork server that imported torch and
+  # transformers once): they hold the tightest bounds, and every trainer / evaluation equivalence
+  # sits on top of them. The real-weights model tests are left out (their bounds are a multiple of
+  # transformers' own sdpa-vs-eager spread, measured in the same process, so they follow the
+  # instruction set by construction), as are the trainer- and evaluation-level ones (their bounds
+  # are derived from these). RINGFT_NUMERICS2=all runs every numerics test in this pass.
   if [ "${RINGFT_NUMERICS2:-1}" = "all" ]; then
     SELECT=(tests)
   else

@@ -18,24 +18,24 @@ from pathlib import Path
 import torch
 
 VOCAB = 96  # tiny_model's vocabulary (the log-sum-exp's reduction length in tolerances)
+# The tiny decoder's config, shared with tests/model/family_models.py (every family's tiny model).
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def tiny_model(kind: str, **overrides):
-    """A seeded 2-layer ``"llama"`` or ``"mistral"`` causal LM (hidden 64, intermediate 96, 4 heads,
-    2 KV heads, 512 positions, eager attention); ``overrides`` replace config values."""
+    """A seeded 2-layer ``"llama"`` or ``"mistral"`` causal LM (:data:`TINY`: hidden 64, intermediate
+    96, 4 heads, 2 KV heads, 512 positions), eager attention; ``overrides`` replace config values."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        attn_implementation="eager",
-    )
-    common.update(overrides)
+    common = {**TINY, "attn_implementation": "eager", **overrides}
     torch.manual_seed(0)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
@@ -90,7 +90,8 @@ def fp32_bounds(seq: int) -> tuple[float, float, float]:
     parameter's max entry).
     """
     eps = torch.finfo(torch.float32).eps
-    path = 2 * (64 + seq + 64 + 64 + 96) + 64
+    hidden, inter, layers = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
+    path = layers * (hidden + seq + hidden + hidden + inter) + hidden
     return path * eps, (path + VOCAB + seq) * eps, 2 * path * eps
 
 

@@ -14,19 +14,10 @@ from typing import Any
 
 import torch
 
-VOCAB = 96
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from tests.tiny_models import TINY
+
+VOCAB = TINY["vocab_size"]
+COMMON = {**TINY, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # tiny_model's config
 GEMMA3_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},

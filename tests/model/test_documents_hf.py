@@ -7,7 +7,8 @@ attention) in one process; the loss is the sum of all documents' token losses ov
 number of targets. Tolerances (derived, fp32): both sides compute the same math with the sums in
 another order, and recursive summation of n terms errs by at most (n - 1) * eps relative, so each
 bound is eps times the longest chain of reductions (tests/tiny_models.py fp32_bounds); any
-masking, position or label mistake is O(1e-1) relative.
+masking, position or label mistake is O(1e-1) relative. CP 1..4 run in one spawn of 4 processes (the
+CP group of size N is ranks 0..N-1).
 """
 
 from __future__ import annotations
@@ -35,17 +36,25 @@ LAYOUTS = {
 }
 
 
-def documents_worker(rank: int, world: int) -> dict[str, float]:
-    from peft import LoraConfig, get_peft_model
+CP_SIZES = (1, 2, 3, 4)  # one spawn of 4 processes: the CP group of size N is ranks 0..N-1
 
-    errors: dict[str, float] = {}
-    collator = RingDataCollator(rank, world, pad_token_id=0, max_length=SEQ, packing=True)
+
+def _cases() -> list[tuple[str, str, list[int]]]:
     cases = [(name, "llama", lengths) for name, lengths in LAYOUTS.items()]
-    cases += [
+    return cases + [
         ("mistral-straddle", "mistral", LAYOUTS["straddle"]),
         ("lora-straddle", "lora", LAYOUTS["straddle"]),
     ]
-    for seed, (name, kind, lengths) in enumerate(cases):
+
+
+def documents_worker(rank: int, world: int) -> dict[int, dict[str, float]]:
+    """Every case on every CP group this rank is in (the one-process reference once per case):
+    ``{N: {"case/measure": relative error}}``."""
+    from peft import LoraConfig, get_peft_model
+
+    groups = {n: dist.new_group(list(range(n))) for n in CP_SIZES}  # every rank creates every group
+    errors: dict[int, dict[str, float]] = {n: {} for n in CP_SIZES if rank < n}
+    for seed, (name, kind, lengths) in enumerate(_cases()):
         examples = document_examples(lengths, seed)
         base = tiny_model("mistral" if kind == "mistral" else "llama")
         if kind == "lora":
@@ -53,41 +62,53 @@ def documents_worker(rank: int, world: int) -> dict[str, float]:
                               lora_dropout=0.0, init_lora_weights=False)  # fmt: skip
             torch.manual_seed(5)
             base = get_peft_model(base, lora)
-        model = apply_ring_attention(copy.deepcopy(base))
+        clean = copy.deepcopy(base)  # before the reference's backward fills base's gradients
         ref_logits, ref_loss = documents_reference(base, examples)
-        out = model(**collator(examples))
-        rows = collator.last_rows  # documents are reordered inside a row to balance the ranks
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        logits = zigzag_gather(out.logits.detach())  # (rows, SEQ, vocab)
-        worst, scale = 0.0, max(x.abs().max().item() for x in ref_logits)
-        for row, members in enumerate(rows):
-            at = 0
-            for i in members:
-                n = lengths[i]
-                worst = max(worst, (logits[row, at : at + n] - ref_logits[i]).abs().max().item() / scale)
-                at += n
-        errors[f"{name}/logits"] = worst
-        errors[f"{name}/loss"] = ((loss - ref_loss).abs() / ref_loss.abs()).item()
-        worst = 0.0
-        pairs = zip(model.named_parameters(), base.named_parameters())
-        for (_, p), (_, pr) in ((a, b) for a, b in pairs if a[1].requires_grad):
-            grad = p.grad.detach().clone()
-            dist.all_reduce(grad)
-            worst = max(worst, ((grad - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)).item())
-        errors[f"{name}/grad"] = worst
+        for n, group in ((n, groups[n]) for n in errors):
+            collator = RingDataCollator(rank, n, pad_token_id=0, max_length=SEQ, packing=True)
+            model = apply_ring_attention(copy.deepcopy(clean), group)
+            out = model(**collator(examples))
+            rows = collator.last_rows  # documents are reordered inside a row to balance the ranks
+            out.loss.backward()
+            loss = out.loss.detach().clone()
+            dist.all_reduce(loss, group=group)
+            logits = zigzag_gather(out.logits.detach(), group=group)  # (rows, SEQ, vocab)
+            worst, scale = 0.0, max(x.abs().max().item() for x in ref_logits)
+            for row, members in enumerate(rows):
+                at = 0
+                for i in members:
+                    m = lengths[i]
+                    worst = max(worst, (logits[row, at : at + m] - ref_logits[i]).abs().max().item() / scale)
+                    at += m
+            errors[n][f"{name}/logits"] = worst
+            errors[n][f"{name}/loss"] = ((loss - ref_loss).abs() / ref_loss.abs()).item()
+            worst = 0.0
+            pairs = zip(model.named_parameters(), base.named_parameters())
+            for (_, p), (_, pr) in ((a, b) for a, b in pairs if a[1].requires_grad):
+                grad = p.grad.detach().clone()
+                dist.all_reduce(grad, group=group)
+                err = (grad - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)
+                worst = max(worst, err.item())
+            errors[n][f"{name}/grad"] = worst
     return errors
+
+
+@pytest.fixture(scope="module")
+def distributed_errors() -> list[dict[int, dict[str, float]]]:
+    """One spawn of 4 gloo processes for the module: every rank's errors."""
+    return run_distributed(documents_worker, max(CP_SIZES), timeout=240)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_packed_documents_match_each_document_alone(world):
-    for errors in run_distributed(documents_worker, world, timeout=240):
+@pytest.mark.parametrize("world", CP_SIZES)
+def test_packed_documents_match_each_document_alone(distributed_errors, world):
+    for rank in range(world):
+        errors = distributed_errors[rank][world]
+        assert len(errors) == 3 * len(_cases()), f"CP={world} rank {rank}: cases missing"
         for name, err in errors.items():
             limit = {"loss": LOSS_RTOL, "logits": LOGITS_RTOL, "grad": GRAD_RTOL}[name.split("/")[1]]
-            assert err <= limit, f"CP={world} {name}: {err:.2e} > {limit:.1e}"
+            assert err <= limit, f"CP={world} rank {rank} {name}: {err:.2e} > {limit:.1e}"
 
 
 def test_packing_collator_layout():

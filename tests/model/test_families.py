@@ -243,7 +243,6 @@ def _ring(case: Case, group, rank: int, size: int) -> dict:
 
 
 def families_worker(rank: int, world: int, oracle_path: str) -> dict[str, float]:
-    torch.set_num_threads(1)
     oracles = torch.load(oracle_path)
     errors: dict[str, float] = {}
     for size in CP_SIZES:
@@ -260,12 +259,7 @@ def families_worker(rank: int, world: int, oracle_path: str) -> dict[str, float]
 
 @pytest.fixture(scope="module")
 def oracle_path(tmp_path_factory) -> str:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny fp64 models: a second thread only adds barriers (3x the CPU time)
-    try:
-        oracles = {case.tag: _oracles(case) for case in _cases()}
-    finally:
-        torch.set_num_threads(threads)
+    oracles = {case.tag: _oracles(case) for case in _cases()}  # one thread (tests/conftest.py)
     path = tmp_path_factory.mktemp("families") / "oracles.pt"
     torch.save(oracles, path)
     return str(path)

@@ -25,15 +25,6 @@ from tests.model.family_models import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models in this process: a second thread only adds barriers (3x the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_every_supported_family_is_accepted_without_a_flag():
     names = {FAMILY_CONFIGS[n][0] for n in FAMILY_CONFIGS} | {"llama", "mistral"}
     assert names == set(SUPPORTED_MODEL_TYPES)

@@ -1,7 +1,8 @@
 """CP inference (sharded prefill + distributed KV cache) vs the one-process transformers model.
 
 Oracle: the unmodified model (eager attention) in one process, ``generate`` with greedy decoding,
-and its full-sequence logits. fp32; logits within 1e-5 abs, generated tokens identical.
+and its full-sequence logits. fp32; logits within 1e-5 abs, generated tokens identical. CP 1..3 run
+in one spawn of 3 processes (the CP group of size N is ranks 0..N-1).
 """
 
 from __future__ import annotations
@@ -10,13 +11,32 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ringft.ops.spawn import run_distributed
 from tests.oracle import full_attention_fp64
 from tests.tiny_models import VOCAB, tiny_model
 
+CP_SIZES = (1, 2, 3)  # one spawn of 3 processes: the CP group of size N is ranks 0..N-1
+CACHE_SIZES = (1, 3)
 
-def inference_worker(rank: int, world: int) -> list[dict]:
+
+def worker(rank: int, world: int) -> dict[str, dict[int, object]]:
+    """Generation records (:func:`generation_records`) and the sharded cache's error
+    (:func:`cache_attention_error`) on every CP group this rank is in, keyed by its size."""
+    groups = {n: dist.new_group(list(range(n))) for n in CP_SIZES}  # every rank creates every group
+    out: dict[str, dict[int, object]] = {"generation": {}, "cache": {}}
+    for n in CP_SIZES:
+        if rank < n:
+            out["generation"][n] = generation_records(groups[n])
+    for n in CACHE_SIZES:
+        if rank < n:
+            out["cache"][n] = cache_attention_error(rank, n, groups[n])
+    return out
+
+
+def generation_records(group) -> list[dict]:
+    """Every config through RingInference on ``group`` against the one-process model."""
     from ringft.model.inference import RingInference
 
     records = []
@@ -28,7 +48,7 @@ def inference_worker(rank: int, world: int) -> list[dict]:
     ]
     for kind, prompt_len, overrides in configs:
         ref = tiny_model(kind, **overrides).eval()
-        engine = RingInference(copy.deepcopy(ref), None, "torch")
+        engine = RingInference(copy.deepcopy(ref), group, "torch")
         gen = torch.Generator().manual_seed(prompt_len)
         prompt = torch.randint(1, VOCAB, (prompt_len,), generator=gen).tolist()
         other = torch.randint(1, VOCAB, (4,), generator=gen).tolist()  # an answer the model would not give
@@ -87,13 +107,21 @@ def inference_worker(rank: int, world: int) -> list[dict]:
 LOGPROB_TOL = 1e-4
 
 
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    """One spawn of 3 gloo processes for the module: every rank's results."""
+    return run_distributed(worker, max(CP_SIZES), timeout=200)
+
+
 @pytest.mark.numerics
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_cp_generation_matches_one_process(world):
-    for records in run_distributed(inference_worker, world, timeout=200):
+@pytest.mark.parametrize("world", CP_SIZES)
+def test_cp_generation_matches_one_process(results, world):
+    for rank in range(world):
+        records = results[rank]["generation"][world]
+        assert len(records) == 4, f"CP={world} rank {rank}: configs missing"
         for rec in records:
-            tag = rec["config"]
+            tag = (f"CP={world}", f"rank {rank}", *rec["config"])
             assert rec["tokens"] == rec["ref_tokens"], tag
             assert rec["stopped"] == rec["tokens"][: rec["tokens"].index(rec["tokens"][2])], tag
             assert rec["argmax_ok"], tag  # greedy tokens are the teacher-forced argmax
@@ -105,7 +133,9 @@ def test_cp_generation_matches_one_process(world):
             assert rec["joint_vs_separate"] < LOGPROB_TOL and rec["joint_vs_ref"] < LOGPROB_TOL, tag
 
 
-def cache_attention_worker(rank: int, world: int) -> float:
+def cache_attention_error(rank: int, world: int, group) -> float:
+    """This rank's part of the cache (an uneven split) through ``sharded_cache_attention`` on
+    ``group``: the largest error against fp64 attention over the whole cache."""
     from ringft.ops.decode import sharded_cache_attention
 
     gen = torch.Generator().manual_seed(0)
@@ -115,12 +145,13 @@ def cache_attention_worker(rank: int, world: int) -> float:
     # Uneven split, rank 1 may hold nothing: positions are dealt round-robin to ranks 0 and 2.
     owners = [i % 3 if world == 3 and i % 3 != 1 else i % world for i in range(21)]
     mine = [i for i, o in enumerate(owners) if o == rank]
-    out = sharded_cache_attention(q, k[:, mine], v[:, mine], backend="torch")
+    out = sharded_cache_attention(q, k[:, mine], v[:, mine], backend="torch", group=group)
     ref, _ = full_attention_fp64(q, k, v, causal=False)
     return (out.double() - ref).abs().max().item()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [1, 3])
-def test_sharded_cache_attention_matches_fp64(world):
-    assert max(run_distributed(cache_attention_worker, world, timeout=90)) < 1e-5
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", CACHE_SIZES)
+def test_sharded_cache_attention_matches_fp64(results, world):
+    errors = [results[rank]["cache"][world] for rank in range(world)]
+    assert max(errors) < 1e-5, f"CP={world}: errors by rank {errors}"

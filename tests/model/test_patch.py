@@ -1,6 +1,7 @@
 """LLaMA / Mistral on the zigzag ring vs the unmodified transformers model in one process.
 
-Oracle: the same weights, ``attn_implementation="eager"``, one process, whole sequence. fp32.
+Oracle: the same weights, ``attn_implementation="eager"``, one process, whole sequence. fp32. CP 2 and
+3 (and the refusals, on CP 2) run in one spawn of 3 processes (the CP group of size N is ranks 0..N-1).
 Tolerances: logits 1e-5 abs (values O(1); fp32 eps 1.2e-7 times a few hundred accumulated
 operations), loss 1e-6 abs, gradients 1e-5 relative to the largest entry of each parameter's
 gradient (the ring only reorders fp32 sums; any masking/position/label mistake is O(1e-1)).
@@ -18,8 +19,19 @@ from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention
 from ringft.ops.spawn import run_distributed
 from tests.tiny_models import VOCAB, compare_with_reference, ragged_examples, tiny_model
 
+CP_SIZES = (2, 3)  # one spawn of 3 processes: the CP group of size N is ranks 0..N-1
 
-def equivalence_worker(rank: int, world: int) -> dict[str, float]:
+
+def worker(rank: int, world: int) -> tuple[dict[int, dict[str, float]], dict[str, str]]:
+    """The equivalences on every CP group this rank is in, keyed by its size; the refusals on CP 2
+    (ranks 0 and 1; empty on rank 2)."""
+    groups = {n: dist.new_group(list(range(n))) for n in CP_SIZES}  # every rank creates every group
+    errors = {n: equivalence_worker(rank, n, groups[n]) for n in CP_SIZES if rank < n}
+    return errors, errors_worker(rank, 2, groups[2]) if rank < 2 else {}
+
+
+def equivalence_worker(rank: int, world: int, group) -> dict[str, float]:
+    """Every model and option on the ring of ``group`` (``world`` ranks) against one process."""
     errors: dict[str, float] = {}
     collator = RingDataCollator(rank, world, pad_token_id=0)
     for kind, overrides in [
@@ -30,19 +42,19 @@ def equivalence_worker(rank: int, world: int) -> dict[str, float]:
         examples = ragged_examples(3)
         batch, full = collator(examples), collator.global_batch(examples)
         ref = tiny_model(kind, **overrides)
-        model = apply_ring_attention(copy.deepcopy(ref))
+        model = apply_ring_attention(copy.deepcopy(ref), group)
         tag = kind + ("-window" if overrides else "")
-        errors.update(compare_with_reference(model, ref, batch, full, rank, world, tag))
+        errors.update(compare_with_reference(model, ref, batch, full, rank, world, tag, group))
 
     # Gradient checkpointing on both sides: same gradients.
     examples = ragged_examples(4)
     batch, full = collator(examples), collator.global_batch(examples)
     ref = tiny_model("llama")
-    model = apply_ring_attention(copy.deepcopy(ref))
+    model = apply_ring_attention(copy.deepcopy(ref), group)
     for m in (model, ref):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
-    errors.update(compare_with_reference(model, ref, batch, full, rank, world, "llama-ckpt"))
+    errors.update(compare_with_reference(model, ref, batch, full, rank, world, "llama-ckpt", group))
 
     # LoRA (peft) on q/k/v/o: LoRA gradients match the one-process LoRA model.
     from peft import LoraConfig, get_peft_model
@@ -57,14 +69,14 @@ def equivalence_worker(rank: int, world: int) -> dict[str, float]:
     base = tiny_model("llama")
     torch.manual_seed(5)
     ref = get_peft_model(base, lora)
-    model = apply_ring_attention(copy.deepcopy(ref))
-    errors.update(compare_with_reference(model, ref, batch, full, rank, world, "llama-lora"))
-    errors.update(_autocast_errors(collator, rank, world))
-    errors["gathers/forward+backward"] = _count_all_gathers(collator)
+    model = apply_ring_attention(copy.deepcopy(ref), group)
+    errors.update(compare_with_reference(model, ref, batch, full, rank, world, "llama-lora", group))
+    errors.update(_autocast_errors(collator, group))
+    errors["gathers/forward+backward"] = _count_all_gathers(collator, group)
     return errors
 
 
-def _autocast_errors(collator, rank: int, world: int) -> dict[str, float]:
+def _autocast_errors(collator, group) -> dict[str, float]:
     """fp32 weights under CPU bf16 autocast (model.dtype fp32 + mixed_precision bf16): the ring
     follows autocast like SDPA. Errors against the fp32 model, next to one-process SDPA's."""
     examples = ragged_examples(6)
@@ -72,9 +84,9 @@ def _autocast_errors(collator, rank: int, world: int) -> dict[str, float]:
     ref = tiny_model("llama")
     sdpa = copy.deepcopy(ref)
     sdpa.set_attn_implementation("sdpa")
-    model = apply_ring_attention(copy.deepcopy(ref))
+    model = apply_ring_attention(copy.deepcopy(ref), group)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ring_logits = zigzag_gather(model(**batch).logits.detach()).float()
+        ring_logits = zigzag_gather(model(**batch).logits.detach(), group).float()
         sdpa_logits = sdpa(input_ids=full["input_ids"]).logits.detach().float()
     with torch.no_grad():
         exact = ref(input_ids=full["input_ids"]).logits
@@ -85,12 +97,12 @@ def _autocast_errors(collator, rank: int, world: int) -> dict[str, float]:
     }
 
 
-def _count_all_gathers(collator) -> float:
+def _count_all_gathers(collator, group) -> float:
     """all_gather calls in one forward + backward of a 2-layer model with gradient checkpointing:
     the inputs are validated once per forward (the pre-hook), not in every layer or recompute."""
     examples = ragged_examples(7)
     batch = collator(examples)
-    model = apply_ring_attention(tiny_model("llama"))
+    model = apply_ring_attention(tiny_model("llama"), group)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     real, count = dist.all_gather, [0]
@@ -107,22 +119,29 @@ def _count_all_gathers(collator) -> float:
     return float(count[0])
 
 
+@pytest.fixture(scope="module")
+def results() -> list[tuple[dict[int, dict[str, float]], dict[str, str]]]:
+    """One spawn of 3 gloo processes for the module: every rank's results."""
+    return run_distributed(worker, max(CP_SIZES), timeout=240)
+
+
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
-def test_models_on_ring_match_one_process(world):
-    for errors in run_distributed(equivalence_worker, world, timeout=240):
+@pytest.mark.parametrize("world", CP_SIZES)
+def test_models_on_ring_match_one_process(results, world):
+    for rank in range(world):
+        errors = dict(results[rank][0][world])
         autocast = {k.split("/")[1]: errors.pop(k) for k in list(errors) if k.startswith("autocast/")}
         # bf16 autocast: the ring may be at most 2x one-process SDPA's error against the fp32 model,
         # plus one bf16 rounding (2^-8 relative) of the largest logit; the old ring raised instead.
         limit = 2 * autocast["sdpa"] + autocast["scale"] * 2**-8
-        assert autocast["ring"] <= limit, f"CP={world} autocast: {autocast}"
+        assert autocast["ring"] <= limit, f"CP={world} rank {rank} autocast: {autocast}"
         # One validation all_gather per forward; the old code did one per layer call (2 layers,
         # forward + checkpoint recompute = 4).
-        assert errors.pop("gathers/forward+backward") == 1
+        assert errors.pop("gathers/forward+backward") == 1, f"CP={world} rank {rank}: all_gather count"
         for name, err in errors.items():
             limit = {"loss": 1e-6, "logits": 1e-5, "grad": 1e-5}[name.split("/")[1]]
-            assert err <= limit, f"CP={world} {name}: {err:.2e} > {limit:.0e}"
+            assert err <= limit, f"CP={world} rank {rank} {name}: {err:.2e} > {limit:.0e}"
 
 
 # RoPE types whose frequencies follow the largest position a rank sees (not exact under zigzag).
@@ -139,7 +158,8 @@ ROPE_INEXACT = {
 }
 
 
-def errors_worker(rank: int, world: int) -> dict[str, str]:
+def errors_worker(rank: int, world: int, group) -> dict[str, str]:
+    """Each bad input's message on this rank of the CP group ``group`` (``world`` ranks)."""
     collator = RingDataCollator(rank, world, pad_token_id=0)
     examples = ragged_examples(1, lengths=(40, 40))
     batch = collator(examples)
@@ -152,7 +172,7 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
         except ValueError as exc:
             seen[name] = str(exc)
 
-    model = apply_ring_attention(tiny_model("llama"))
+    model = apply_ring_attention(tiny_model("llama"), group)
     padded = dict(
         batch, attention_mask=torch.ones_like(batch["input_ids"]).index_fill(1, torch.tensor([0]), 0)
     )
@@ -170,16 +190,16 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
     for kind, extra in ROPE_INEXACT.items():
         attempt(
             f"rope-{kind}",
-            lambda extra=extra: apply_ring_attention(tiny_model("llama", rope_parameters=extra)),
+            lambda extra=extra: apply_ring_attention(tiny_model("llama", rope_parameters=extra), group),
         )
     # The group still works after the errors.
     model(**batch)
     return seen
 
 
-@pytest.mark.timeout(120)
-def test_bad_inputs_raise_on_every_rank():
-    for seen in run_distributed(errors_worker, 2, timeout=90):
+@pytest.mark.timeout(300)
+def test_bad_inputs_raise_on_every_rank(results):
+    for seen in (results[rank][1] for rank in range(2)):
         assert "padding attention masks" in seen["padding"]
         assert "position ids" in seen["positions"]
         assert "same batch and seq_local" in seen["skewed"], seen["skewed"]

@@ -35,15 +35,6 @@ CP_SIZES = (1, 2, 3, 4)  # one spawn of 4 processes; the CP group of size N is r
 WINDOWS = (5, 20)  # padded sequences of 72 tokens: chunks of 36, 18, 12, 9 tokens for CP 1..4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny fp64 problems in this process: a second thread only adds barriers (3x the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.numerics
 def test_window_convention_is_transformers_mask():
     """The operator's window, on the zigzag schedule, equals attention under transformers' own

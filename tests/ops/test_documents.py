@@ -1,6 +1,7 @@
 """Packed documents on the zigzag ring (operator level) vs each document run separately.
 
-Oracle: plain fp64 attention of every document on its own (tests/oracle.py).
+Oracle: plain fp64 attention of every document on its own (tests/oracle.py). The distributed check
+runs every ring size N = 1..4 in one spawn of 4 processes (the CP group of ranks 0..N-1).
 """
 
 from __future__ import annotations
@@ -161,31 +162,49 @@ def test_tiled_causal_blocks_match_each_document(monkeypatch, dtype):
             assert err < limit, f"tile 5 {dtype} N={n} {name} {what}: {err:.1e} (limit {limit:.1e})"
 
 
-def documents_worker(rank: int, world: int) -> list[tuple[str, float]]:
-    errors = []
+CP_SIZES = (1, 2, 3, 4)  # one spawn of 4 processes: the CP group of size N is ranks 0..N-1
+
+
+def documents_worker(rank: int, world: int) -> dict[int, list[tuple[str, float]]]:
+    """Every layout, GQA and MHA, on every CP group this rank is in: ``{N: [(case, rel err)]}``
+    (the oracle once per case)."""
+    import torch.distributed as dist
+
+    groups = {n: dist.new_group(list(range(n))) for n in CP_SIZES}  # every rank creates every group
+    errors: dict[int, list[tuple[str, float]]] = {n: [] for n in CP_SIZES if rank < n}
     for i, (name, cu) in enumerate(layouts().items()):
         for hq, hkv in ((4, 2), (4, 4)):  # GQA and MHA
             q, k, v, dout = _inputs(100 + i, hq=hq, hkv=hkv)
             ref = _oracle(q, k, v, dout, cu)
-            shard = lambda t: zigzag_shard(t, rank, world).detach().clone()  # noqa: E731
-            ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-            out, lse = zigzag_ring_attention(ql, kl, vl, backend="torch", return_lse=True, cu_seqlens=cu)
-            out.backward(shard(dout))
-            got = (out, lse, ql.grad, kl.grad, vl.grad)
-            want = (shard(ref[0]), zigzag_shard(ref[1], rank, world, dim=2), *(shard(g) for g in ref[2:]))
-            errors += [
-                (f"{name} {hq}/{hkv} {w}", _rel(g, r)) for w, g, r in zip("o l dq dk dv".split(), got, want)
-            ]
+            for n in errors:
+                shard = lambda t, n=n: zigzag_shard(t, rank, n).detach().clone()  # noqa: E731
+                ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+                out, lse = zigzag_ring_attention(
+                    ql, kl, vl, backend="torch", return_lse=True, cu_seqlens=cu, group=groups[n]
+                )
+                out.backward(shard(dout))
+                got = (out, lse, ql.grad, kl.grad, vl.grad)
+                want = (shard(ref[0]), zigzag_shard(ref[1], rank, n, dim=2), *(shard(g) for g in ref[2:]))
+                for what, g, r in zip("o l dq dk dv".split(), got, want):
+                    errors[n].append((f"{name} {hq}/{hkv} {what}", _rel(g, r)))
     return errors
+
+
+@pytest.fixture(scope="module")
+def distributed_errors() -> list[dict[int, list[tuple[str, float]]]]:
+    """One spawn of 4 gloo processes for the module: every rank's errors."""
+    return run_distributed(documents_worker, max(CP_SIZES), timeout=240)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_distributed_ring_matches_each_document(world):
-    for errors in run_distributed(documents_worker, world, timeout=240):
-        for name, err in errors:
-            assert err < FP32_REL, f"N={world} {name}: {err:.1e}"
+@pytest.mark.parametrize("world", CP_SIZES)
+def test_distributed_ring_matches_each_document(distributed_errors, world):
+    for rank in range(world):
+        cases = distributed_errors[rank][world]
+        assert len(cases) == len(layouts()) * 2 * 5, f"N={world} rank {rank}: cases missing"
+        for name, err in cases:
+            assert err < FP32_REL, f"N={world} rank {rank} {name}: {err:.1e}"
 
 
 def test_fewer_pairs_than_full_causal():

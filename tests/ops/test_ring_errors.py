@@ -1,4 +1,5 @@
-"""Bad inputs raise a clear ValueError on every rank, before any ring traffic, without hanging."""
+"""Bad inputs raise a clear ValueError on every rank, before any ring traffic, without hanging (on one
+rank and on three, in one spawn of 3 processes: the CP group of size N is ranks 0..N-1)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,24 @@ CASES = {
 }
 
 
-def errors_worker(rank: int, world: int) -> dict[str, str]:
+WORLDS = (1, 3)  # one spawn of 3 processes: the CP group of size N is ranks 0..N-1
+
+
+def worker(rank: int, world: int) -> dict[int, dict[str, str]]:
+    """:func:`errors_worker` on every CP group this rank is in, keyed by its size."""
+    import torch.distributed as dist
+
+    groups = {n: dist.new_group(list(range(n))) for n in WORLDS}  # every rank creates every group
+    return {n: errors_worker(rank, n, groups[n]) for n in WORLDS if rank < n}
+
+
+def errors_worker(rank: int, world: int, group) -> dict[str, str]:
+    """Each bad input's message on this rank of ``group`` (``world`` ranks)."""
     seen = {}
     for name, (build, _) in CASES.items():
         q, k, v, backend = build(rank)
         try:
-            zigzag_ring_attention(q, k, v, backend=backend)
+            zigzag_ring_attention(q, k, v, backend=backend, group=group)
             seen[name] = "no error"
         except ValueError as exc:
             seen[name] = str(exc)
@@ -57,31 +70,36 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
         "window_differs": {"sliding_window": 3 + rank},
     }.items():
         try:
-            zigzag_ring_attention(*_qkv(), backend="torch", **kwargs)
+            zigzag_ring_attention(*_qkv(), backend="torch", group=group, **kwargs)
             seen[name] = "no error"
         except ValueError as exc:
             seen[name] = str(exc)
     # The group is still usable afterwards: a good call runs.
-    zigzag_ring_attention(*_qkv())
-    zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]])
-    zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]], sliding_window=3)
+    zigzag_ring_attention(*_qkv(), group=group)
+    zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]], group=group)
+    zigzag_ring_attention(*_qkv(), cu_seqlens=[[0, 3, seq]], sliding_window=3, group=group)
     return seen
 
 
+@pytest.fixture(scope="module")
+def results() -> list[dict[int, dict[str, str]]]:
+    """One spawn of 3 gloo processes for the module: every rank's messages."""
+    return run_distributed(worker, max(WORLDS), timeout=90)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [1, 3])
-def test_errors_raised_on_every_rank(world):
-    results = run_distributed(errors_worker, world, timeout=90)
-    for rank, seen in enumerate(results):
+@pytest.mark.parametrize("world", WORLDS)
+def test_errors_raised_on_every_rank(results, world):
+    for rank, seen in enumerate(results[r][world] for r in range(world)):
         for name, (_, fragment) in CASES.items():
             if world == 1 and name == "seq_differs":
                 continue  # one rank cannot disagree with itself
             msg = seen[name]
-            assert msg != "no error", f"{name}: rank {rank} raised nothing"
+            assert msg != "no error", f"{name}: rank {rank} of {world} raised nothing"
             if name in ("heads",) and rank != 0:
                 assert "rank(s) [0]" in msg, msg
             else:
-                assert fragment in msg, f"{name} on rank {rank}: {msg}"
+                assert fragment in msg, f"{name} on rank {rank} of {world}: {msg}"
         if world > 1:
             assert "cu_seqlens checksum" in seen["docs_differ"], seen["docs_differ"]
         assert "must rise strictly from 0" in seen["docs_malformed"]

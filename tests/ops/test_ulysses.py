@@ -284,12 +284,7 @@ def records() -> dict:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cp", CP_SIZES)
 def test_ulysses_ring_matches_fp64_attention(records, cp):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny fp64 oracles: threads only add barriers (8x slower on a busy CPU)
-    try:
-        _check(cp, records)
-    finally:
-        torch.set_num_threads(threads)
+    _check(cp, records)  # tiny fp64 oracles, one thread (tests/conftest.py)
 
 
 @pytest.mark.timeout(240)

@@ -37,15 +37,6 @@ def _visible(i: int, j: int, window: int) -> bool:
     return 0 <= i - j < window
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny fp64 problems in this process: a second thread only adds barriers (3x the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_plan_matches_brute_force():
     """Every chunk a rank needs (some query of its chunks sees some key of it) and nothing else;
     the exchange lasts as many steps as the farthest rank needed, never longer than the ring."""

@@ -1,6 +1,7 @@
 """Zigzag ring attention vs plain fp64 full attention on the global sequence.
 
-Each world size N is spawned once (gloo, CPU) and loops over every config inside the processes.
+One spawn of 4 gloo processes (CPU) runs every ring size N = 1..4 on the CP group of ranks 0..N-1
+and loops over every config inside the processes (the fp64 oracle once per config and rank).
 
 Tolerances (errors are max-abs, relative to the max-abs of the oracle tensor):
 - fp32: 2e-5. Both the fused CPU kernel and the merge run in fp32 (eps 1.2e-7); with head_dim <= 80
@@ -48,59 +49,65 @@ def _oracle_with_grads(q, k, v, dout, causal):
     return out.detach(), lse.detach(), dq, dk, dv
 
 
-def ring_vs_oracle_worker(rank: int, world: int, backend: str) -> list[dict]:
-    """Run every config; return per-config relative errors (and the fused bf16 baseline)."""
-    records = []
+CP_SIZES = (1, 2, 3, 4)  # one spawn of 4 processes: the CP group of size N is ranks 0..N-1
+REFERENCE_SIZES = (2, 3)  # the reference backend's ring, on the same processes
+
+
+def ring_vs_oracle_worker(rank: int, world: int) -> dict[tuple[str, int], list[dict]]:
+    """Every config on every ring this rank is in (the torch backend on CP groups of 1..4 ranks,
+    the reference backend on 2 and 3): per-config relative errors (and the fused bf16 baseline),
+    keyed ``(backend, N)``. The oracle and the baseline are computed once per config."""
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    groups = {size: dist.new_group(list(range(size))) for size in CP_SIZES}
+    runs = [("torch", n) for n in CP_SIZES] + [("reference", n) for n in REFERENCE_SIZES]
+    records: dict[tuple[str, int], list[dict]] = {run: [] for run in runs if rank < run[1]}
     batch, seq = 2, 48  # 48 is a multiple of 2N for N = 1, 2, 3, 4
     configs = itertools.product(HEADS, HEAD_DIMS, [True, False], DTYPES)
     for i, ((hq, hkv), dim, causal, dtype) in enumerate(configs):
         q, k, v, dout = _make_inputs(1000 + i, batch, seq, hq, hkv, dim, dtype)
         ref = _oracle_with_grads(q, k, v, dout, causal)
-        shard = lambda t: zigzag_shard(t, rank, world).detach().clone()  # noqa: E731
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-        out, lse = zigzag_ring_attention(ql, kl, vl, causal=causal, backend=backend, return_lse=True)
-        assert out.dtype == dtype and lse.dtype == torch.float32
-        assert out.shape == ql.shape and lse.shape == (batch, hq, seq // world)
-        out.backward(shard(dout))
-        errs = {
-            "out": _rel_err(out, shard(ref[0])),
-            "lse": _rel_err(lse, zigzag_shard(ref[1], rank, world, dim=2)),
-            "dq": _rel_err(ql.grad, shard(ref[2])),
-            "dk": _rel_err(kl.grad, shard(ref[3])),
-            "dv": _rel_err(vl.grad, shard(ref[4])),
-        }
-        baseline = None
-        if dtype == torch.bfloat16:
-            # One fused bf16 attention over the whole sequence on one process, same inputs.
-            qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-            of, lf = zigzag_ring_attention(
-                qf, kf, vf, causal=causal, backend=backend, group=_single_group(), return_lse=True
+        baselines: dict[str, dict] = {}
+        for backend, n in runs:
+            if rank >= n:
+                continue
+            shard = lambda t, n=n: zigzag_shard(t, rank, n).detach().clone()  # noqa: E731
+            ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+            out, lse = zigzag_ring_attention(
+                ql, kl, vl, causal=causal, backend=backend, group=groups[n], return_lse=True
             )
-            of.backward(dout)
-            baseline = {
-                "out": _rel_err(of, ref[0]),
-                "lse": _rel_err(lf, ref[1]),
-                "dq": _rel_err(qf.grad, ref[2]),
-                "dk": _rel_err(kf.grad, ref[3]),
-                "dv": _rel_err(vf.grad, ref[4]),
+            assert out.dtype == dtype and lse.dtype == torch.float32
+            assert out.shape == ql.shape and lse.shape == (batch, hq, seq // n)
+            out.backward(shard(dout))
+            errs = {
+                "out": _rel_err(out, shard(ref[0])),
+                "lse": _rel_err(lse, zigzag_shard(ref[1], rank, n, dim=2)),
+                "dq": _rel_err(ql.grad, shard(ref[2])),
+                "dk": _rel_err(kl.grad, shard(ref[3])),
+                "dv": _rel_err(vl.grad, shard(ref[4])),
             }
-        records.append({"config": (hq, hkv, dim, causal, str(dtype)), "errors": errs, "baseline": baseline})
+            if dtype == torch.bfloat16 and backend not in baselines:
+                # One fused bf16 attention over the whole sequence on one process, same inputs.
+                qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+                of, lf = zigzag_ring_attention(
+                    qf, kf, vf, causal=causal, backend=backend, group=singles[rank], return_lse=True
+                )
+                of.backward(dout)
+                baselines[backend] = {
+                    "out": _rel_err(of, ref[0]),
+                    "lse": _rel_err(lf, ref[1]),
+                    "dq": _rel_err(qf.grad, ref[2]),
+                    "dk": _rel_err(kf.grad, ref[3]),
+                    "dv": _rel_err(vf.grad, ref[4]),
+                }
+            config = (hq, hkv, dim, causal, str(dtype))
+            records[backend, n].append({"config": config, "errors": errs, "baseline": baselines.get(backend)})
     return records
 
 
-_SINGLE = {}
-
-
-def _single_group():
-    import torch.distributed as dist
-
-    if "g" not in _SINGLE:
-        # A group of just this rank: the whole-sequence, one-process fused computation.
-        _SINGLE["g"] = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-    return _SINGLE["g"]
-
-
-def _check_records(records: list[dict], world: int) -> None:
+def _check_records(records: list[dict], backend: str, world: int, rank: int) -> None:
+    assert len(records) == len(HEADS) * len(HEAD_DIMS) * 2 * len(DTYPES)  # every config ran
     for rec in records:
         dtype = rec["config"][-1]
         for name, err in rec["errors"].items():
@@ -108,25 +115,30 @@ def _check_records(records: list[dict], world: int) -> None:
                 limit = 2e-5
             else:
                 limit = 2 * rec["baseline"][name] + 4e-3
-            assert err <= limit, f"N={world} config={rec['config']} {name}: rel err {err:.2e} > {limit:.2e}"
+            where = f"{backend} N={world} rank {rank} config={rec['config']} {name}"
+            assert err <= limit, f"{where}: rel err {err:.2e} > {limit:.2e}"
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    """One spawn of 4 gloo processes for the module: every rank's records."""
+    return run_distributed(ring_vs_oracle_worker, max(CP_SIZES), timeout=240)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_matches_fp64_full_attention(world):
-    results = run_distributed(ring_vs_oracle_worker, world, "torch", timeout=240)
-    for records in results:
-        _check_records(records, world)
+@pytest.mark.parametrize("world", CP_SIZES)
+def test_ring_matches_fp64_full_attention(records, world):
+    for rank in range(world):
+        _check_records(records[rank]["torch", world], "torch", world, rank)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
-def test_reference_backend_ring(world):
-    results = run_distributed(ring_vs_oracle_worker, world, "reference", timeout=240)
-    for records in results:
-        _check_records(records, world)
+@pytest.mark.parametrize("world", REFERENCE_SIZES)
+def test_reference_backend_ring(records, world):
+    for rank in range(world):
+        _check_records(records[rank]["reference", world], "reference", world, rank)
 
 
 def test_single_process_without_distributed():
