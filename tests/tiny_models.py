@@ -8,7 +8,8 @@
   folder (what ``ringft eval-lines`` and ``RingInference`` load);
 - :func:`compare_with_reference`: a CP rank's run of a patched model against the one-process model;
 - :func:`document_examples` / :func:`documents_reference`: packed-document examples and each
-  document alone through the unmodified model.
+  document alone through the unmodified model;
+- :func:`saved_bytes`: the bytes autograd saves for the backward while a function runs.
 """
 
 from __future__ import annotations
@@ -161,3 +162,18 @@ def documents_reference(ref, examples) -> tuple[list[torch.Tensor], torch.Tensor
         loss = loss + out.loss
     loss.backward()
     return logits, loss.detach()
+
+
+def saved_bytes(run) -> int:
+    """Bytes of every tensor autograd saves for the backward while ``run()`` executes (views and
+    repeated saves counted each time)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total

@@ -23,7 +23,7 @@ from ringft import RingDataCollator, apply_ring_attention
 from ringft.loss import CausalLMLoss
 from ringft.model.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, is_tiled_mlp, mlp_modules
 from ringft.ops.spawn import run_distributed
-from tests.tiny_models import VOCAB, ragged_examples, tiny_model
+from tests.tiny_models import VOCAB, ragged_examples, saved_bytes, tiny_model
 
 EPS32 = torch.finfo(torch.float32).eps
 TOKENS = 3 * 52  # the collated batch: 3 ragged examples padded to <= 52 tokens (pads included)
@@ -112,21 +112,9 @@ def test_tiled_mlp_keeps_only_tile_inputs():
     mlp = mlp_modules(model)[0]
     x = torch.randn(2, 64, 64, requires_grad=True)
 
-    def saved_bytes() -> int:
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mlp(x).sum().backward()
-        return total
-
-    plain = saved_bytes()
+    plain = saved_bytes(lambda: mlp(x).sum().backward())
     enable_tiled_mlp(model, tile_tokens=32)
-    tiled = saved_bytes()
+    tiled = saved_bytes(lambda: mlp(x).sum().backward())
     assert plain >= 3 * 128 * 1000 * 4  # gate, act(gate), up of all 128 tokens
     assert tiled <= 128 * 64 * 4 * 1.01, (plain, tiled)  # the input only
 

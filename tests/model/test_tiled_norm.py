@@ -18,6 +18,7 @@ from ringft.model.tiled_norm import disable_tiled_norm, enable_tiled_norm, is_ti
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import recipe_from_dict
 from tests.model.family_models import COMMON, VOCAB, family_model
+from tests.tiny_models import saved_bytes
 from tests.tiny_training import tiny_recipe
 
 TOKENS = 2 * 40
@@ -61,21 +62,9 @@ def test_tiled_norm_keeps_only_its_input():
     norm = norm_modules(model)[0]
     x = torch.randn(2, 64, 64, dtype=torch.bfloat16, requires_grad=True)
 
-    def saved_bytes() -> int:
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            norm(x).float().sum().backward()
-        return total
-
-    plain = saved_bytes()
+    plain = saved_bytes(lambda: norm(x).float().sum().backward())
     enable_tiled_norm(model, tile_tokens=32)
-    tiled = saved_bytes()
+    tiled = saved_bytes(lambda: norm(x).float().sum().backward())
     assert plain >= 128 * 64 * 4, plain  # the fp32 copy of the input, at least
     assert tiled <= 128 * 64 * 2 * 1.01, (plain, tiled)  # the bf16 input only (tile views)
 
