@@ -45,6 +45,7 @@ BAD_VALUES = [
     ("train", "gradient_checkpointing", "yes", ["train.gradient_checkpointing", "true or false"]),
     ("train", "chunked_loss", 1, ["train.chunked_loss", "true or false"]),
     ("train", "tiled_mlp_tokens", 0, ["train.tiled_mlp_tokens", ">= 1"]),
+    ("train", "tiled_norm_tokens", 0, ["train.tiled_norm_tokens", ">= 1"]),
     ("train", "loss_chunk_size", 0, ["train.loss_chunk_size", ">= 1"]),
     ("train", "seed", -1, ["train.seed", ">= 0"]),
     ("train", "schedule", "linear", ["train.schedule", "constant, cosine", "'linear'"]),
@@ -69,6 +70,7 @@ BAD_VALUES = [
     ("lora", "r", 0, ["lora.r", ">= 1"]),
     ("lora", "dropout", 1.0, ["lora.dropout", "< 1"]),
     ("lora", "alpha", "big", ["lora.alpha", "a number"]),
+    ("lora", "adapter_dtype", "bf16", ["lora.adapter_dtype", "fp32, model", "'bf16'"]),
     ("lora", "target_modules", [], ["lora.target_modules", "non-empty list"]),
 ]
 
