@@ -22,8 +22,11 @@ Resuming from a checkpoint replays the same operations in the same order: bit-ex
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -157,3 +160,23 @@ def assert_weights_equal(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs"
+
+
+@contextlib.contextmanager
+def in_process_trainer(raw: dict) -> Iterator[Any]:
+    """A one-process :class:`ringft.train.loop.Trainer` for ``raw``; on exit its run-folder lock is
+    released (idempotent: ``run()`` releases it too) and accelerate's process-global state reset,
+    so the next Trainer of the test process starts clean."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ringft.train.loop import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(recipe_from_dict(raw), progress=False)
+        yield trainer
+    finally:
+        if trainer is not None:
+            trainer.lock.release()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

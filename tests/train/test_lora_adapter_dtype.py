@@ -8,28 +8,19 @@ import math
 import pytest
 import torch
 
-from ringft.train.recipe import recipe_from_dict
-from tests.tiny_training import final_weights, tiny_recipe
+from tests.tiny_training import final_weights, in_process_trainer, tiny_recipe
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _train(raw: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[torch.dtype]]:
     """(initial adapter weights, exported adapter weights, the adapters' dtypes) of one run."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    from ringft.train.loop import Trainer
-
-    try:
-        trainer = Trainer(recipe_from_dict(raw), progress=False)
+    with in_process_trainer(raw) as trainer:
         state = trainer.model.state_dict()
         adapters = {k.replace(".default", ""): v for k, v in state.items() if "lora_" in k}
         initial = {k: v.detach().float().clone() for k, v in adapters.items()}
         dtypes = sorted({v.dtype for v in adapters.values()}, key=str)
         trainer.run()
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
     return initial, final_weights(raw["checkpoint"]["output_dir"]), dtypes
 
 
@@ -79,10 +70,6 @@ def test_model_dtype_adapters_train_like_fp32_adapters(tmp_path, short_data):
 def _saved_fp32_bytes(raw: dict, tokens: int) -> int:
     """Bytes of the distinct fp32 activations (a dimension of ``tokens``) one forward of the trainer's
     model saves for its backward (weights, saved or not depending on which inputs need grads, aside)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    from ringft.train.loop import Trainer
-
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -90,14 +77,10 @@ def _saved_fp32_bytes(raw: dict, tokens: int) -> int:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    try:
-        model = Trainer(recipe_from_dict(raw), progress=False).model
+    with in_process_trainer(raw) as trainer:
         ids = torch.randint(3, 200, (1, tokens))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, position_ids=torch.arange(tokens)[None])
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+            trainer.model(input_ids=ids, position_ids=torch.arange(tokens)[None])
     return sum(storages.values())
 
 

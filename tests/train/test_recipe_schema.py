@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ringft.train.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict, validate
-from tests.tiny_training import tiny_recipe
+from tests.tiny_training import in_process_trainer, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,17 +188,8 @@ def test_launch_world_size_from_the_environment(tmp_path, monkeypatch):
 
 def _optimizer_betas(raw: dict) -> set[tuple[float, float]]:
     """The betas of every parameter group of the AdamW a one-process Trainer builds for ``raw``."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    from ringft.train.loop import Trainer
-
-    trainer = Trainer(recipe_from_dict(raw), progress=False)
-    try:
+    with in_process_trainer(raw) as trainer:
         return {tuple(group["betas"]) for group in trainer.optimizer.param_groups}
-    finally:
-        trainer.lock.release()
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
 
 
 def test_valid_recipe_passes(tmp_path, data_path):

@@ -12,19 +12,12 @@ import torch
 from ringft.train.build import build_model, decay_parameter_groups, model_config
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import recipe_from_dict
-from tests.tiny_training import VOCAB, final_weights, tiny_recipe
+from tests.tiny_training import VOCAB, final_weights, in_process_trainer, tiny_recipe
 
 
 def _train_in_process(raw: dict) -> dict[str, torch.Tensor]:
-    from accelerate.state import AcceleratorState, GradientState
-
-    from ringft.train.loop import Trainer
-
-    try:
-        Trainer(recipe_from_dict(raw), progress=False).run()
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    with in_process_trainer(raw) as trainer:
+        trainer.run()
     return final_weights(raw["checkpoint"]["output_dir"])
 
 
