@@ -25,6 +25,11 @@ shape() {
 COMMON=(--model.dtype bf16 --model.attn_backend auto --parallel.cp_size 1 --train.micro_batch_size 1
   --train.warmup_steps 0 --train.gradient_checkpointing true --train.loss_chunk_size 4096 --train.lr 1e-5
   --checkpoint.save_every 0 --logging.tracker none --logging.log_every 1)
+# tests/ops/test_cudnn_backend.py's whole grid against fp64, every line logged; prints the failures
+cudnn_exactness() {
+  python3 tests/ops/test_cudnn_backend.py > "$OUT/cudnn_exactness.log" 2>&1 || true
+  grep -E "tiny|FAIL|failures" "$OUT/cudnn_exactness.log" | head -30
+}
 while [ $# -gt 0 ]; do
   stage=$1; shift
   case $stage in
@@ -33,13 +38,11 @@ while [ $# -gt 0 ]; do
       python3 -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)"
       ;;
     exactness)
-      python3 tests/ops/test_cudnn_backend.py > "$OUT/cudnn_exactness.log" 2>&1 || true
-      grep -E "tiny|FAIL|failures" "$OUT/cudnn_exactness.log" | head -30
+      cudnn_exactness
       ;;
-    kernels)
-      python3 -m pytest -q -p no:cacheprovider tests/ops/test_cudnn_backend.py tests/ops/test_cuda_backend.py 2>&1 | tail -5 || true
-      python3 tests/ops/test_cudnn_backend.py > "$OUT/cudnn_exactness.log" 2>&1 || true
-      grep -E "tiny|FAIL|failures" "$OUT/cudnn_exactness.log" | head -30
+    kernels)  # the torch backend's CUDA grid (pytest), then the cuDNN grid once, line by line
+      python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda_backend.py 2>&1 | tail -5 || true
+      cudnn_exactness
       ;;
     bench)
       python3 benchmarks/bench_backends_cuda.py --seq 16K,64K,128K --ring-seq 128K --json "$OUT/backends.jsonl"
