@@ -101,10 +101,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ring-world", type=int, default=8)
     p.add_argument("--ring-seq", default="128K", help="lengths for the emulated ring ('' for none)")
+    p.add_argument("--backends", default=None, help="comma-separated subset of torch,cudnn,flash_attn")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
     backends = ["torch", "cudnn"] + (["flash_attn"] if FlashAttnBackend.is_available() else [])
+    if args.backends:
+        backends = [b for b in backends if b in args.backends.split(",")]
     cudnn = torch.backends.cudnn.version()
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn}")
     print(f"auto picks: {get_backend('auto', dev, torch.bfloat16, args.head_dim).name}")
@@ -129,7 +132,7 @@ def main() -> None:
         q, k, v, dout = _inputs(seq, args)
         for b in backends:
             n = args.ring_world
-            ms, _ = _time(_ring(q, k, v, dout, n, b), max(2, args.repeats // 2), warmup=1)
+            ms, _ = _time(_ring(q, k, v, dout, n, b), args.repeats, warmup=1)
             flops = 7 * seq**2 * args.heads * args.head_dim
             rows.append(dict(seq=seq, case=f"ring N={n} emulated {b}", ms=ms, tflops=flops / ms / 1e9))
             print(

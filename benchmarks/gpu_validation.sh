@@ -3,7 +3,9 @@
 # outputs/gpu). Stages: env | kernels | bench | train SEQ BACKEND [EXTRA...] | baseline SEQ |
 # trace SEQ LAYERS [EXTRA...] (LoRA + offloaded activations, the peak's live tensors) |
 # sharded fsdp2|fsdp|zero3|zero3_offload SEQ LAYERS (full fine-tuning under that launch config) |
-# windows BACKEND (the windowed ring at 128K).
+# windows BACKEND (the windowed ring at 128K) | ringeff (cuDNN ring vs one fused call, emulated N = 8,
+# 64K / 128K / 256K) | profile SEQ LAYERS (plain transformers + SDPA vs ringft, one profiled step each) |
+# tiles (attention in query tiles: transient memory) | attnckpt (attention saved under checkpointing).
 #   bash benchmarks/gpu_validation.sh env kernels bench
 #   bash benchmarks/gpu_validation.sh train 32768 auto
 # RINGFT_GPU_TINY=1 shrinks the model and lengths so the script can be tried on a CPU.
@@ -86,8 +88,25 @@ while [ $# -gt 0 ]; do
       grep -E "^(result|events)" "$OUT/$tag/peak.txt" 2>/dev/null || tail -5 "$OUT/$tag.log"
       rm -rf "/tmp/ringft-$tag"
       ;;
+    ringeff)
+      python3 benchmarks/bench_backends_cuda.py --seq "${RING_SEQ:-64K,128K,256K}" --ring-seq "${RING_SEQ:-64K,128K,256K}" \
+        --ring-world 8 --backends cudnn --repeats 3 --json "$OUT/ringeff.jsonl" 2>&1 | grep -v Warning
+      ;;
+    profile)
+      seq=$1 layers=$2; shift 2
+      python3 benchmarks/bench_step_profile.py --seq "$seq" --layers "$layers" --json "$OUT/profile.jsonl" 2>&1 \
+        | grep -E '^\{|Error' || true
+      ;;
+    tiles)
+      python3 benchmarks/bench_attention_tiles.py --device cuda --json "$OUT/tiles.jsonl" 2>&1 | tail -15
+      ;;
+    attnckpt)
+      python3 benchmarks/bench_attention_checkpoint.py --device cuda --json "$OUT/attnckpt.jsonl" 2>&1 | tail -15
+      ;;
     sharded)
       kind=$1 seq=$2 layers=$3; shift 3
+      extra=()
+      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$2"); shift 2; done
       case $kind in
         fsdp2) cfg=fsdp2.yaml ;; fsdp) cfg=fsdp.yaml ;; zero3) cfg=deepspeed_zero3.yaml ;;
         zero3_offload) cfg=deepspeed_zero3_offload.yaml ;; *) echo "unknown $kind"; exit 2 ;;
@@ -98,7 +117,7 @@ while [ $# -gt 0 ]; do
       accelerate launch --config_file "recipes/accelerate/$cfg" --num_processes 1 -m ringft train \
         recipes/demo_cpu.yaml --model.config "$(shape "$layers" 32000)" "${COMMON[@]}" \
         --data.synthetic "{task: repeat, num_examples: 8}" --data.seq_len "$seq" --train.max_steps "${STEPS:-3}" \
-        --checkpoint.output_dir "$dir" > "$OUT/$tag.log" 2>&1 || echo "$tag FAILED (see log)"
+        --checkpoint.output_dir "$dir" "${extra[@]}" > "$OUT/$tag.log" 2>&1 || echo "$tag FAILED (see log)"
       echo "$tag wall $(( $(date +%s) - start )) s"
       grep -E "ringft:|Error" "$OUT/$tag.log" | tail -3 || true
       [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$tag.metrics.jsonl" && tail -2 "$dir/metrics.jsonl"

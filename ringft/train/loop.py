@@ -343,8 +343,10 @@ class Trainer:
                 self.save_checkpoint(step + 1)
         bar.close()
         wall = time.perf_counter() - started
-        self.save_checkpoint(t.max_steps)
-        final = self.export()
+        final = None
+        if c.save_final:
+            self.save_checkpoint(t.max_steps)
+            final = self.export()
         acc.end_training()
         tps = tokens_done / wall if wall > 0 else 0.0
         if losses:
@@ -353,9 +355,10 @@ class Trainer:
                 f"ringft: {t.max_steps} steps (dp={self.layout.dp_size} x cp={self.layout.cp_size}"
                 f"{split if self.layout.ulysses_size > 1 else ''}), "
                 f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {tps:,.0f} tokens/s, "
-                f"peak {peak_memory_gb(self.device):.2f} GB/rank, model saved to {final}"
+                f"peak {peak_memory_gb(self.device):.2f} GB/rank, "
+                + (f"model saved to {final}" if final else "not saved (checkpoint.save_final: false)")
             )
-        return TrainResult(t.max_steps, losses, str(final), tps)
+        return TrainResult(t.max_steps, losses, str(final) if final else None, tps)
 
 
 def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> TrainResult:

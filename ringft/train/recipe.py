@@ -233,6 +233,7 @@ class CheckpointConfig(Section):
     output_dir: str = text("outputs/run")
     save_every: int = integer(0, lo=0)  # steps; 0 = only at the end
     keep: int = integer(2, lo=1)  # newest complete checkpoints to keep
+    save_final: bool = boolean(True)  # false: neither the last checkpoint nor the export (benchmark runs)
 
 
 @dataclass

@@ -53,6 +53,7 @@ BAD_VALUES = [
     ("logging", "tracker", "mlflow", ["logging.tracker", "tensorboard", "'mlflow'"]),
     ("checkpoint", "save_every", -5, ["checkpoint.save_every", ">= 0", "-5"]),
     ("checkpoint", "keep", 0, ["checkpoint.keep", ">= 1"]),
+    ("checkpoint", "save_final", "no", ["checkpoint.save_final", "true or false"]),
     ("checkpoint", "output_dir", "", ["checkpoint.output_dir", "non-empty"]),
     ("data", "seq_len", 1, ["data.seq_len", ">= 2"]),
     ("data", "seq_len", "64", ["data.seq_len", "without quotes"]),

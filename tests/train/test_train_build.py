@@ -191,3 +191,17 @@ def test_no_collective_in_except_or_finally():
                         if name in collectives:
                             found.append(f"{path.name}:{call.lineno} {name}")
     assert not found, found
+
+
+@pytest.mark.timeout(120)
+def test_save_final_false_writes_nothing_at_the_end(tmp_path, short_data):
+    """``checkpoint.save_final: false`` (benchmark runs): the steps run and are logged, and neither
+    the last checkpoint nor the export is written."""
+    raw = tiny_recipe(tmp_path / "run", short_data, train={"max_steps": 2}, checkpoint={"save_final": False})
+    with in_process_trainer(raw) as trainer:
+        result = trainer.run()
+    out = tmp_path / "run"
+    assert result.steps == 2 and len(result.losses) == 2 and result.final_dir is None
+    assert not (out / "final").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith("checkpoint")]
+    assert (out / "metrics.jsonl").read_text().count("\n") == 2
