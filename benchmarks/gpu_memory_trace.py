@@ -22,6 +22,7 @@ import argparse
 import gzip
 import pickle
 import sys
+import traceback
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,7 @@ def main() -> None:
         ringft_main(["train", *train_args])
     except BaseException as error:  # an OOM is a result here: report the trace up to it
         failure = f"{type(error).__name__}: {str(error)[:400]}"
+        traceback.print_exc()  # the log keeps where it failed (the table below keeps what was live)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snapshot["device_traces"][0]
