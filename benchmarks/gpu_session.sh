@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session's runs (issue 25), in order of value, within a deadline: each stage starts
+# One lent-GPU session's runs, in order of value, within a deadline: each stage starts
 # only if its expected time is left, and runs under what is left. Logs and the traces are packed
 # into two archives under $OUT (the device tool returns at most 8 files).
 #   DEADLINE_S=540 bash benchmarks/gpu_session.sh
@@ -21,16 +21,19 @@ stage() {
     IFS=';' read -ra picked <<< "$STAGES"
     for one in "${picked[@]}"; do stage 10 $one; done
   else
+  # capacity (attention tiles, the fused norm backward, attention kept under checkpointing), then
+  # ring efficiency, the same-machine baseline, a 32-layer step: in order of value
+  T="--train.attention_tile_tokens 65536 --lora.adapter_dtype model --checkpoint.save_final false"
   stage 10 env
-  stage 60 kernels
-  stage 40 trace 131072 2
-  stage 40 sharded fsdp2 32768 2
-  stage 60 sharded zero3 32768 2
-  stage 90 sharded zero3_offload 32768 2
-  stage 50 trace 262144 2
-  stage 40 sharded fsdp 32768 2
-  stage 40 windows cudnn
-  stage 70 trace 393216 2
+  stage 60 tiles
+  stage 60 trace 393216 2 $T
+  stage 80 trace 524288 2 $T
+  stage 40 attnckpt
+  stage 150 sharded zero3_offload 393216 2 --train.attention_tile_tokens 65536 --checkpoint.save_final false
+  stage 130 ringeff
+  stage 60 profile 16384 32
+  STEPS=2 stage 200 train 262144 auto --train.attention_tile_tokens 65536 --train.offload_activations true \
+    --train.tiled_mlp_tokens 4096 --checkpoint.save_final false
   fi
 } 2>&1 | tee "$OUT/session.log"
 # pack into a folder outside $OUT first (tar must not read the archive it writes)
