@@ -28,7 +28,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 STAMP="$VENV/.ringft-installed"
 WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha1sum | cut -d' ' -f1)"
-read -r HAVE HAVE_EXTRA < "$STAMP" 2>/dev/null || HAVE="" HAVE_EXTRA=""
+read -r HAVE HAVE_EXTRA 2>/dev/null < "$STAMP" || HAVE="" HAVE_EXTRA=""
 # a dev install covers base; a stamp without an extra (older scripts) was a dev install
 if [ "$HAVE" != "$WANT" ] || { [ "$EXTRA" = dev ] && [ "${HAVE_EXTRA:-dev}" != dev ]; }; then
   "$VENV/bin/python" -m pip install -q --upgrade pip

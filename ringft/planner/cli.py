@@ -42,7 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), model directory or hub name")
     src.add_argument("--config-json", help="path to a transformers config.json")
-    p.add_argument("--seq-len", type=int, required=True, help="global sequence length S (tokens)")
+    p.add_argument(
+        "--seq-len",
+        type=values.tokens_arg,
+        required=True,
+        help="global sequence length S in tokens (128k = 131072)",
+    )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (dp * cp)")
     p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB")
     p.add_argument("--cp", type=int, action="append", help="CP size(s) to try (default: all divisors)")
@@ -72,14 +77,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-activations", action="store_true")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per logits chunk")
+    p.add_argument(
+        "--loss-chunk-size", type=values.tokens_arg, default=4096, help="tokens per logits chunk"
+    )
     p.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles of hidden-size tokens")
     p.add_argument(
-        "--tiled-mlp-tokens", type=int, default=None, help="tokens per MLP tile (implies --tiled-mlp)"
+        "--tiled-mlp-tokens",
+        type=values.tokens_arg,
+        default=None,
+        help="tokens per MLP tile (implies --tiled-mlp)",
     )
     p.add_argument(
         "--tiled-norm-tokens",
-        type=int,
+        type=values.tokens_arg,
         default=None,
         help="RMSNorms in tiles of this many tokens (recipe train.tiled_norm_tokens; not under DeepSpeed)",
     )
