@@ -351,6 +351,10 @@ def load_recipe(
     """Read a YAML recipe, apply ``--section.key value`` overrides, check it (``world_size``: by
     default the launch's ``WORLD_SIZE``; see :func:`recipe_from_dict`)."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(str(f) for f in path.glob("*.yaml"))[:3]
+        yamls = ", ".join(found) or "it has none"
+        raise RecipeError(f"recipe {str(path)!r} is a folder: give a recipe YAML file ({yamls})")
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} does not exist")
     try:
