@@ -83,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``ringft SUBCOMMAND ...`` (``argv`` defaults to ``sys.argv[1:]``); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from ringft import __version__
-
-        print(f"ringft {__version__}")
+        package = sys.modules[__name__.rpartition(".")[0]]  # ringft, imported before this module
+        print(f"ringft {package.__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -6,6 +6,7 @@ Python block runs with every docs example, tests/test_readme_examples.py, on a t
 from __future__ import annotations
 
 import importlib.util
+import re
 import shlex
 from pathlib import Path
 
@@ -13,24 +14,27 @@ import yaml
 
 from ringft.planner import plan_main
 from ringft.train.recipe import load_recipe
-from tests.test_readme_examples import fenced_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "own-model.md"
 
 
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)
+
+
 def _commands() -> list[list[str]]:
-    lines = [b.code.replace("\\\n", " ") for b in fenced_blocks(PAGE) if b.lang == "bash"]
+    lines = [code.replace("\\\n", " ") for code in _blocks("bash")]
     return [shlex.split(line) for block in lines for line in block.splitlines() if line.strip()]
 
 
 def test_page_recipe_and_commands(tmp_path, monkeypatch, capsys):
-    (block,) = [b for b in fenced_blocks(PAGE) if b.lang == "yaml"]
-    shown = yaml.safe_load(block.code)
+    (block,) = _blocks("yaml")
+    shown = yaml.safe_load(block)
     data = tmp_path / "data"
     data.mkdir()
     page_recipe = tmp_path / "page.yaml"
-    page_recipe.write_text(block.code)
+    page_recipe.write_text(block)
     recipe = load_recipe(page_recipe, ["--data.path", str(data)], world_size=8)
     assert recipe.model.rope_type == "yarn"
 
