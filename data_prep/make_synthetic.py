@@ -17,6 +17,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # allow `python data_prep/make_synthetic.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ringft.ops.values import tokens_arg  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,8 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Generate synthetic line-retrieval training data.")
     p.add_argument("--tokenizer", required=True, help="HF name/path, or 'demo'")
     p.add_argument("--num-examples", type=int, required=True)
-    p.add_argument("--seq-len", type=int, required=True, help="maximum tokens per example")
-    p.add_argument("--min-len", type=int, default=None, help="length budgets: [min-len, seq-len]")
+    p.add_argument("--seq-len", type=tokens_arg, required=True, help="maximum tokens per example")
+    p.add_argument("--min-len", type=tokens_arg, default=None, help="length budgets: [min-len, seq-len]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-on", choices=("answer", "all"), default="answer")
     p.add_argument(

@@ -29,13 +29,15 @@ except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from ringft.data import packing
 from ringft.data.line_retrieval.tokenizer import load_tokenizer  # noqa: E402
+from ringft.ops.values import parse_tokens  # noqa: E402
 
 SUMMARY_FILE = "pack_summary.json"
 
 
 def _positive_int(text: str) -> int:
+    """A count > 0; token counts take k / M suffixes (``64k``: ringft.ops.values.parse_tokens)."""
     try:
-        value = int(text)
+        value = parse_tokens(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="hub dataset name, or a local .jsonl/.json/.parquet/.txt file, directory or glob",
     )
-    p.add_argument("--seq-len", required=True, type=_positive_int, help="tokens per sequence")
+    p.add_argument("--seq-len", required=True, type=_positive_int, help="tokens per sequence (64k: 65536)")
     p.add_argument("--output", required=True, help="directory for Dataset.save_to_disk")
     p.add_argument("--text-column", default="text", help="column holding the documents")
     p.add_argument("--split", default="train", help="split to load (default: train)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU demo (README's first command): context extension, end to end, on 2 CPU processes.
-#   0. installs everything into ./.venv (recipes/setup_cpu_env.sh);
+#   0. installs ringft and the CPU build of torch into ./.venv (recipes/setup_cpu_env.sh base);
 #   1. evaluates the shipped base model (ringft/assets/demo_base, trained at L = 128 tokens by
 #      recipes/demo/base_induction.yaml then recipes/demo/base.yaml) at L and 4L (prompts of 120 and
 #      500 tokens, room left for the answer inside 128 and 512): it retrieves at L and fails at 4L;
@@ -18,7 +18,7 @@ if [[ ! -f "$BASE/model.safetensors" ]]; then
     "'python benchmarks/train_demo_base.py' (~40 min on one core)" >&2
   exit 2
 fi
-source recipes/setup_cpu_env.sh
+source recipes/setup_cpu_env.sh base
 rm -rf "$OUT"
 launch() { accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml -m ringft "$@"; }
 eval_lines() {  # eval_lines MODEL OUTPUT: line retrieval at L and 4L, 5 depths x 8 cases each

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# README's test command: installs into ./.venv (CPU torch pin first), lints, runs the suite, then
-# runs the numerics-sensitive tests (marker `numerics`) a second time with the math libraries held
-# to another instruction set, which changes the float reduction order on any x86 CPU: tolerances
+# README's test command: installs ringft + the dev extra into ./.venv (CPU torch first), lints,
+# runs the suite, then runs the numerics-sensitive tests (marker `numerics`) a second time with the
+# math libraries held to another instruction set, which changes the float reduction order on any x86 CPU: tolerances
 # must come from the numerics, not from one machine. Arguments go to both pytest runs; set
 # RINGFT_NUMERICS2=0 to skip the second pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source recipes/setup_cpu_env.sh
+source recipes/setup_cpu_env.sh dev
 ruff check ringft tests benchmarks data_prep
 python -m pytest -q tests "$@"
 if [ "${RINGFT_NUMERICS2:-1}" != "0" ]; then

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ringft.model.rope import has_rope_scaling
-from ringft.ops.values import BadValue, as_integer, bad_value
+from ringft.ops.values import BadValue, as_integer, bad_value, parse_tokens
 
 
 class EvalInputError(BadValue):
@@ -16,29 +16,23 @@ class EvalInputError(BadValue):
     exit_code = 2
 
 
-def parse_length(text: str) -> int:
-    """``"4096"`` -> 4096, ``"32k"`` -> 32768 (tokens); ValueError on anything else."""
-    text = text.strip().lower()
-    scale = 1024 if text.endswith("k") else 1
-    return int(text[:-1] if scale > 1 else text) * scale
-
-
 def _flag_error(flag: str, text: str, fix: str) -> EvalInputError:
     return EvalInputError(bad_value(flag, text, "", fix))
 
 
 def parse_lengths(text: str) -> list[int]:
-    """Comma-separated prompt lengths in tokens (``k`` suffix = x1024), each positive, no repeats."""
+    """Comma-separated prompt lengths in tokens (``k`` = x1024, ``M`` = x1024**2), each positive, no
+    repeats."""
     items = [t for t in text.split(",") if t.strip()]
     if not items:
         raise _flag_error("--lengths", text, "give at least one prompt length in tokens, e.g. 4096,8k")
     lengths = []
     for item in items:
         try:
-            length = parse_length(item)
+            length = parse_tokens(item)
         except ValueError:
             raise _flag_error(
-                "--lengths", text, f"{item.strip()!r} is not a whole number of tokens"
+                "--lengths", text, f"{item.strip()!r} is not a whole number of tokens (e.g. 4096, 8k, 1M)"
             ) from None
         if length < 1:
             raise _flag_error("--lengths", text, f"{length} is not a positive number of tokens")
@@ -48,8 +42,9 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
-def parse_depths(text: str) -> list[float]:
-    """Comma-separated relative depths of the asked line, each in [0, 1], no repeats."""
+def parse_depths(text: str, meaning: str = "0 = first line, 1 = last line") -> list[float]:
+    """Comma-separated relative depths of the asked line (or, with its ``meaning``, of a needle),
+    each in [0, 1], no repeats."""
     items = [t for t in text.split(",") if t.strip()]
     if not items:
         raise _flag_error("--depths", text, "give at least one depth in [0, 1], e.g. 0,0.5,1")
@@ -61,7 +56,7 @@ def parse_depths(text: str) -> list[float]:
             raise _flag_error("--depths", text, f"{item.strip()!r} is not a number") from None
         if not 0.0 <= depth <= 1.0:  # also refuses nan
             raise _flag_error(
-                "--depths", text, f"{item.strip()} is outside [0, 1] (0 = first line, 1 = last line)"
+                "--depths", text, f"{item.strip()} is outside [0, 1] ({meaning})"
             )
         if depth in depths:
             raise _flag_error("--depths", text, f"{depth:g} is given twice")

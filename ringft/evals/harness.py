@@ -30,6 +30,7 @@ import torch
 from ringft.evals.checks import EvalInputError
 from ringft.evals.store import ResultsWriteError
 from ringft.ops import BACKENDS
+from ringft.ops.helptext import plain
 from ringft.ops.validate import PeerFailed, run_together
 
 #: ``load_model(path, dtype, device, rope_theta) -> model``; the default reads the weights
@@ -75,7 +76,6 @@ class EvalTask:
     """A task plugged into the harness. Override what differs; every method runs on every rank."""
 
     command = "eval"  #: the subcommand, e.g. "eval-lines" (messages start "ringft <command>:")
-    description = ""
     default_output = "outputs/eval"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -146,8 +146,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, task: EvalTask) -> Non
 
 
 def parse_task_args(task: EvalTask, argv: list[str] | None) -> argparse.Namespace:
-    """The command line of ``ringft <task.command>``."""
-    parser = argparse.ArgumentParser(prog=f"ringft {task.command}", description=task.description)
+    """The command line of ``ringft <task.command>``; ``--help`` shows the task module's docstring."""
+    parser = argparse.ArgumentParser(
+        prog=f"ringft {task.command}",
+        description=plain(sys.modules[type(task).__module__].__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_common_arguments(parser, task)
     task.add_arguments(parser)
     return parser.parse_args(argv)

@@ -122,10 +122,9 @@ def _cases(args: argparse.Namespace, tokenizer: Any) -> list[LineCase]:
 
 
 class LinesTask(EvalTask):
-    """Line retrieval on the harness (see the module doc)."""
+    """Line retrieval on the harness."""
 
     command = "eval-lines"
-    description = __doc__.split("\n\n")[0]
     default_output = "outputs/eval-lines"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:

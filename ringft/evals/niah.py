@@ -31,7 +31,6 @@ class NiahTask(GenerationTask):
     """The length x depth grid of passkey / needle samples."""
 
     command = "eval-niah"
-    description = __doc__.split("\n\n")[0]
     default_output = "outputs/eval-niah"
     default_tasks = "passkey,niah_single_1"
 
@@ -41,7 +40,7 @@ class NiahTask(GenerationTask):
 
     def check_args(self, args: argparse.Namespace) -> None:
         super().check_args(args)
-        args.depth_list = parse_depths(args.depths)
+        args.depth_list = parse_depths(args.depths, "0 = needle at the start of the context, 1 = at the end")
         flat = [s.name for s in args.specs if not s.supports_depth]
         if flat:
             raise EvalInputError(

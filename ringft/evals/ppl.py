@@ -25,6 +25,7 @@ from ringft.evals.checks import EvalInputError, check_positive, parse_lengths, p
 from ringft.evals.figures import model_name
 from ringft.evals.harness import Context, EvalTask, ModelRef, Runner, task_main
 from ringft.evals.texts import Document, make_documents, read_texts
+from ringft.ops.values import tokens_arg
 
 #: Variants: (name, role, windowed).
 MODEL, BASELINE, WINDOW = "model", "baseline", "baseline-window"
@@ -64,19 +65,20 @@ def check_text_arguments(args: argparse.Namespace) -> None:
 
 
 class PplTask(EvalTask):
-    """Perplexity by length / NLL by position (see the module doc)."""
+    """Perplexity by length / NLL by position."""
 
     command = "eval-ppl"
-    description = __doc__.split("\n\n")[0]
     default_output = "outputs/eval-ppl"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_text_arguments(parser)
         parser.add_argument("--lengths", default="4096,8192,16384,32768", help="lengths in tokens")
         parser.add_argument("--baseline", default=None, help="the base model, evaluated alongside")
-        parser.add_argument("--native-window", type=int, default=None, help="the base model's own context")
         parser.add_argument(
-            "--stride", type=int, default=None, help="sliding-window stride (default window/2)"
+            "--native-window", type=tokens_arg, default=None, help="the base model's own context"
+        )
+        parser.add_argument(
+            "--stride", type=tokens_arg, default=None, help="sliding-window stride (default window/2)"
         )
 
     def check_args(self, args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ringft.evals.figures import SUMMARY_JSON, curves
+from ringft.ops.helptext import plain
 
 ORDER = ("eval-ppl", "eval-niah", "eval-ruler", "eval-lines", "eval-short")
 TITLES = {
@@ -246,7 +247,11 @@ def build_report(
 
 def main(argv: list[str] | None = None) -> int:
     """``ringft eval-report DIR... [--output report.md] [--labels ...] [--title ...]``."""
-    p = argparse.ArgumentParser(prog="ringft eval-report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="ringft eval-report",
+        description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("runs", nargs="+", help="--output folders of ringft eval-* runs")
     p.add_argument("--output", default="outputs/eval-report.md", help="report.md or report.html")
     p.add_argument("--labels", nargs="+", default=None, help="one name per folder (default: folder names)")

@@ -49,10 +49,9 @@ def score_table(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
 
 
 class RulerTask(GenerationTask):
-    """RULER's tasks x lengths (see the module doc)."""
+    """RULER's tasks x lengths."""
 
     command = "eval-ruler"
-    description = __doc__.split("\n\n")[0]
     default_output = "outputs/eval-ruler"
     default_tasks = "niah_single_1,niah_multikey_2,niah_multikey_3,vt,cwe,fwe"
 

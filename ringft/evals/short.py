@@ -33,10 +33,9 @@ def regression_verdict(ppl_base: float, ppl_model: float, max_increase: float) -
 
 
 class ShortTask(EvalTask):
-    """Short-context regression against the base model (see the module doc)."""
+    """Short-context regression against the base model."""
 
     command = "eval-short"
-    description = __doc__.split("\n\n")[0]
     default_output = "outputs/eval-short"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

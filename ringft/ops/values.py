@@ -29,8 +29,15 @@ __all__ = [
     "as_pair",
     "as_text",
     "bad_value",
+    "parse_tokens",
     "problems",
+    "tokens_arg",
 ]
+
+# Token counts on a command line: 4096, 128k / 128K (x 1024), 1M (x 1024**2); a sign is kept so that
+# the flag's own range check names a negative value.
+_TOKENS = re.compile(r"^([-+]?\d+)([kKmM]?)$")
+_TOKEN_SCALE = {"": 1, "k": 1024, "m": 1024**2}
 
 # YAML 1.1 (PyYAML) reads "2e-5" (no dot) as a string: accept that form for numbers.
 _SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -196,3 +203,25 @@ def problems(*checks: Callable[[], Any]) -> list[str]:
         except BadValue as exc:
             found.append(str(exc))
     return found
+
+
+def parse_tokens(text: str | int) -> int:
+    """A token count as written on a command line: ``"4096"`` -> 4096, ``"128k"`` / ``"128K"`` ->
+    131072, ``"1M"`` -> 1048576 (k = 1024). ValueError (one line, e.g. ``4.5k``) on anything else.
+    Every length flag of every command reads its value through this function."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _TOKENS.match(str(text).strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a whole number of tokens (e.g. 65536, 64k, 1M; k = 1024)")
+    return int(match.group(1)) * _TOKEN_SCALE[match.group(2).lower()]
+
+
+def tokens_arg(text: str) -> int:
+    """:func:`parse_tokens` as an ``argparse`` ``type=`` (its one-line error as argparse's)."""
+    import argparse
+
+    try:
+        return parse_tokens(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

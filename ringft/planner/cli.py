@@ -11,7 +11,9 @@ from functools import partial
 from typing import Any
 
 from ringft.ops import values
+from ringft.ops.backends import BACKENDS
 from ringft.ops.sharding import zigzag_length_problem, zigzag_padded_length
+from ringft.planner.recipe_out import recipe_text, write_recipe
 from ringft.planner.report import format_layouts, format_plan
 from ringft.planner.search import Fix, fixes_that_fit, max_seq_len_that_fits, plan_layouts, recommend
 from ringft.planner.setup import ATTN_BACKENDS, GIB, PLANNED_DTYPES, divisors
@@ -42,7 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), model directory or hub name")
     src.add_argument("--config-json", help="path to a transformers config.json")
-    p.add_argument("--seq-len", type=int, required=True, help="global sequence length S (tokens)")
+    p.add_argument(
+        "--seq-len",
+        type=values.tokens_arg,
+        required=True,
+        help="global sequence length S in tokens (128k = 131072)",
+    )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (dp * cp)")
     p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB")
     p.add_argument("--cp", type=int, action="append", help="CP size(s) to try (default: all divisors)")
@@ -72,21 +79,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-activations", action="store_true")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per logits chunk")
+    p.add_argument(
+        "--loss-chunk-size", type=values.tokens_arg, default=4096, help="tokens per logits chunk"
+    )
     p.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles of hidden-size tokens")
     p.add_argument(
-        "--tiled-mlp-tokens", type=int, default=None, help="tokens per MLP tile (implies --tiled-mlp)"
+        "--tiled-mlp-tokens",
+        type=values.tokens_arg,
+        default=None,
+        help="tokens per MLP tile (implies --tiled-mlp)",
     )
     p.add_argument(
         "--tiled-norm-tokens",
-        type=int,
+        type=values.tokens_arg,
         default=None,
         help="RMSNorms in tiles of this many tokens (recipe train.tiled_norm_tokens; not under DeepSpeed)",
     )
-    p.add_argument("--attn-backend", choices=ATTN_BACKENDS, default="flash_attn")
+    p.add_argument(
+        "--attn-backend",
+        choices=BACKENDS,
+        default="flash_attn",
+        help="model.attn_backend; auto = its choice on Hopper (cudnn); cudnn / reference planned as torch "
+        "(K/V heads expanded)",
+    )
     p.add_argument("--overhead-gib", type=float, default=3.0, help="CUDA context, NCCL buffers, ...")
     p.add_argument("--explore-offload", action="store_true", help="also try every offload combination")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    p.add_argument("--recipe", action="store_true", help="print the recommended plan as a training recipe")
+    p.add_argument("--write-recipe", metavar="PATH", help="write the recommended plan as a recipe YAML")
+    p.add_argument("--force", action="store_true", help="let --write-recipe overwrite an existing file")
+    p.add_argument("--rope-theta", type=float, help="model.rope_theta of the written recipe (memory: none)")
     add_time_arguments(p)
     return p
 
@@ -130,6 +152,10 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
     return out
 
 
+# The memory model knows flash_attn (GQA-native) and torch (K/V heads expanded); auto runs cudnn on
+# Hopper, and cudnn expands K/V where its build has no native GQA: planned as torch.
+_PLANNED_BACKEND = {name: "torch" for name in BACKENDS if name not in ATTN_BACKENDS}
+
 SEQ_LEN_FIX = "give the global sequence length in tokens, >= 2 (e.g. 65536)"
 GPUS_FIX = "give the number of GPUs of the job, >= 1 (e.g. 8)"
 GPU_MEM_FIX = "give the memory of one GPU in GiB, > 0 (e.g. 79.6)"
@@ -154,7 +180,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "tiled_mlp": args.tiled_mlp or args.tiled_mlp_tokens is not None,
         "tiled_mlp_tokens": args.tiled_mlp_tokens,
         "tiled_norm_tokens": args.tiled_norm_tokens,
-        "attn_backend": args.attn_backend,
+        "attn_backend": _PLANNED_BACKEND.get(args.attn_backend, args.attn_backend),
         "overhead_gib": args.overhead_gib,
         "ulysses_size": args.ulysses_size,
     }
@@ -180,7 +206,7 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     """``args`` as a ``ringft plan`` command line (only the options that differ from the defaults)."""
     words = ["ringft", "plan"]
     for action in parser._actions:  # noqa: SLF001 - argparse has no public list of its options
-        if not action.option_strings or action.dest in ("help", "json"):
+        if not action.option_strings or action.dest in ("help", "json", "recipe", "force"):
             continue
         value = getattr(args, action.dest)
         if value is not None and value != action.default:
@@ -242,6 +268,8 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"ringft plan: error: {exc}")
         return 2
     best = recommend(plans)
+    if args.recipe or args.write_recipe:
+        return _recipe(parser, args, best, shape)
     fixes = [] if best else fixes_that_fit(shape, args.seq_len, args.gpus, args.gpu_mem, **layout)
     shown = best or min(plans, key=lambda p: p.total)
     cps = args.cp or [shown.setup.cp_size]
@@ -272,3 +300,23 @@ def plan_main(argv: list[str] | None = None) -> int:
     if times:
         print("\n" + times[0])
     return 0 if best else 1
+
+
+def _recipe(parser: argparse.ArgumentParser, args: argparse.Namespace, best, shape) -> int:
+    """``--recipe`` / ``--write-recipe``: the recommended plan as a recipe (exit 1 when nothing fits)."""
+    if best is None:
+        print("ringft plan: error: nothing fits, so there is no recipe to write: run without --recipe / "
+              "--write-recipe to see the flags that would make it fit")
+        return 1
+    path = args.write_recipe or "recipe.yaml"
+    text = recipe_text(args, best, shape.name, _command(parser, args), path)
+    if not args.write_recipe:
+        print(text, end="")
+        return 0
+    problem = write_recipe(text, args.write_recipe, args.force)
+    if problem:
+        print(f"ringft plan: error: {problem}")
+        return 2
+    print(f"wrote {args.write_recipe}: cp {best.setup.cp_size} x dp {best.setup.dp_size}, "
+          f"{best.total / GIB:.1f} GiB per GPU; {text.splitlines()[3][2:]}")
+    return 0

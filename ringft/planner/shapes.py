@@ -11,6 +11,7 @@ FLOPs, while every rank still keeps the K/V of all its local tokens for the back
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,8 @@ from ringft.planner.presets import PRESET_ALIASES, PRESETS
 __all__ = ["DEFAULT_LORA_TARGETS", "PRESETS", "ModelShape", "load_model_shape"]
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The config keys the shape needs (num_key_value_heads and head_dim have defaults).
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class ModelShape:
                 text.setdefault("model_type", f"{get('model_type')}_text")
             return cls.from_config(text, name=name or get("_name_or_path"))
         family = FAMILIES.get(get("model_type"))
+        missing = [k for k in _REQUIRED if get(k) is None]
+        if missing:
+            raise ValueError(
+                f"the config has no {', '.join(missing)} (a decoder's config.json needs "
+                f"{', '.join(_REQUIRED)})"
+            )
         try:
             hidden = int(get("hidden_size"))
             heads = int(get("num_attention_heads"))
@@ -83,8 +92,7 @@ class ModelShape:
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(
-                "the config needs hidden_size, intermediate_size, num_hidden_layers, "
-                f"num_attention_heads and vocab_size (a LLaMA/Mistral-style config): {exc}"
+                f"the config's sizes ({', '.join(_REQUIRED)}) must be integers: {exc}"
             ) from exc
         if shape.heads % shape.kv_heads:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads")
@@ -175,7 +183,8 @@ class ModelShape:
 
 def load_model_shape(model: Any) -> ModelShape:
     """A :class:`ModelShape` from a preset name, a config dict / ``PretrainedConfig``, a JSON file,
-    or a local directory / hub name (``AutoConfig.from_pretrained``, which needs the hub or cache).
+    a local model directory, or a hub name already in the local cache (never downloaded: a name
+    that is neither a preset nor cached is refused at once, naming the presets and the fix).
     """
     if isinstance(model, ModelShape):
         return model
@@ -188,20 +197,44 @@ def load_model_shape(model: Any) -> ModelShape:
     if preset in PRESETS:
         return ModelShape.from_config(PRESETS[preset], name=preset)
     if os.path.isfile(key):
-        with open(key) as fh:
-            return ModelShape.from_config(json.load(fh), name=os.path.basename(key))
-    if not os.path.exists(key) and (os.path.isabs(key) or key.startswith(".") or key.count("/") > 1):
-        raise ValueError(f"{key!r} does not exist; use a preset ({', '.join(PRESETS)}) or a config.json path")
+        return _shape_from_json(key)
+    if os.path.isdir(key) and not os.path.isfile(os.path.join(key, "config.json")):
+        raise ValueError(f"model folder {key!r} has no config.json: pass the folder of a transformers model")
+    if os.path.isdir(key):
+        return _shape_from_json(os.path.join(key, "config.json"), name=key)
+    close = difflib.get_close_matches(key.lower(), [*PRESETS, *PRESET_ALIASES], n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    if os.path.isabs(key) or key.startswith(".") or key.count("/") != 1:
+        raise ValueError(
+            f"{key!r} is neither a preset nor an existing path: {hint}presets: {', '.join(PRESETS)}; or pass "
+            "--config-json PATH or a local model folder"
+        )
+    # A hub name: the local cache only (no network: offline, the hub client retries for ~20 s).
     try:
         from transformers import AutoConfig
 
-        try:  # the local cache first: no network round trips when it is there
-            config = AutoConfig.from_pretrained(key, local_files_only=True)
-        except OSError:
-            config = AutoConfig.from_pretrained(key)
-        return ModelShape.from_config(config, name=key)
-    except Exception as exc:  # noqa: BLE001 - hub/cache errors come in many types
+        config = AutoConfig.from_pretrained(key, local_files_only=True)
+    except Exception:  # noqa: BLE001 - a missing cache entry comes as OSError, ValueError, ...
         raise ValueError(
-            f"could not load a config for {key!r} ({type(exc).__name__}: {exc}). Use a preset "
-            f"({', '.join(PRESETS)}), a config.json path or a local model directory"
-        ) from exc
+            f"{key!r} is not a preset ({hint}presets: {', '.join(PRESETS)}) and its config is not in the "
+            f"local cache: pass --config-json PATH (e.g. from `hf download {key} config.json`) or a local "
+            "model folder"
+        ) from None
+    return ModelShape.from_config(config, name=key)
+
+
+def _shape_from_json(path: str, name: str | None = None) -> ModelShape:
+    """A shape from a config.json file; errors name the file."""
+    try:
+        with open(path) as fh:
+            config = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(
+            f"{path!r} is not a readable JSON file ({exc}): pass a transformers config.json"
+        ) from None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{path!r} holds {type(config).__name__}, not a config mapping: pass a config.json")
+    try:
+        return ModelShape.from_config(config, name=name or os.path.basename(path))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

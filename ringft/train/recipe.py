@@ -4,12 +4,11 @@ Every key has a type and a range (``ringft.train.fields``); unknown keys are err
 silently fall back to a default), and so are values of the right name but the wrong type or range
 (``train.lr: -1``, ``train.max_steps: "20"`` or ``20.5``, ``logging.log_every: 0``, ...). Each error is
 one line naming the key, the value and what is accepted. Overrides from the command line use dotted
-keys: ``--train.max_steps 20 --parallel.cp_size 2 --data.synthetic.num_examples 64``.
+keys: ``--train.max_steps 20 --parallel.cp_size 2 --data.synthetic.num_examples=64`` (``overrides``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from ringft.ops.sharding import zigzag_length_problem
 from ringft.ops.ulysses import heads_problem
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list
+from ringft.train.overrides import apply_overrides, unknown_keys_message
 
 __all__ = [
     "CheckpointConfig",
@@ -301,10 +301,8 @@ def build_section(cls: type[Section], values: Any) -> Section:
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - names)
     if unknown:
-        raise RecipeError(
-            f"unknown key(s) {', '.join(where + '.' + k for k in unknown)}; valid keys in {where!r}: "
-            f"{', '.join(sorted(names))}"
-        )
+        elsewhere = {f.name: n for n, c in SECTIONS.items() for f in dataclasses.fields(c)}  # type: ignore
+        raise RecipeError(unknown_keys_message(where, unknown, names, elsewhere))
     return cls(**values)
 
 
@@ -325,7 +323,8 @@ def recipe_from_dict(raw: dict[str, Any] | None, world_size: int | None = None) 
     raw = dict(raw or {})
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
-        raise RecipeError(f"unknown recipe section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
+        elsewhere = {f.name: n for n, c in SECTIONS.items() for f in dataclasses.fields(c)}  # type: ignore
+        raise RecipeError(unknown_keys_message("", unknown, SECTIONS, elsewhere))
     if world_size is not None and isinstance(raw.get("parallel"), dict):
         _cp_divides_world(raw["parallel"].get("cp_size", 1), world_size)
     sections: dict[str, Any] = {}
@@ -341,27 +340,6 @@ def recipe_from_dict(raw: dict[str, Any] | None, world_size: int | None = None) 
     return recipe
 
 
-def apply_overrides(raw: dict[str, Any] | None, overrides: list[str]) -> dict[str, Any]:
-    """Apply ``["--train.max_steps", "20", "--lora", "null", ...]`` to a parsed recipe (a copy)."""
-    if len(overrides) % 2:
-        raise RecipeError(f"overrides come in '--section.key value' pairs, got {' '.join(overrides)}")
-    raw = copy.deepcopy(raw or {})
-    for flag, value in zip(overrides[::2], overrides[1::2]):
-        if not flag.startswith("--") or len(flag) < 3:
-            raise RecipeError(f"override {flag!r} must look like --section.key")
-        path = flag[2:].replace("-", "_").split(".")
-        node = raw
-        for part in path[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        try:
-            node[path[-1]] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            node[path[-1]] = value  # not YAML: the text itself
-    return raw
-
-
 def launched_world_size() -> int | None:
     """The number of processes of this launch (``WORLD_SIZE``, set by accelerate / torchrun), if any."""
     value = os.environ.get("WORLD_SIZE", "")
@@ -374,6 +352,10 @@ def load_recipe(
     """Read a YAML recipe, apply ``--section.key value`` overrides, check it (``world_size``: by
     default the launch's ``WORLD_SIZE``; see :func:`recipe_from_dict`)."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(str(f) for f in path.glob("*.yaml"))[:3]
+        yamls = ", ".join(found) or "it has none"
+        raise RecipeError(f"recipe {str(path)!r} is a folder: give a recipe YAML file ({yamls})")
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} does not exist")
     try:

@@ -183,6 +183,7 @@ def test_demo_script_evaluates_before_and_after_on_the_ring(tmp_path):
     checked = [check_command(c, tmp_path) for c in run.commands]
     evals = ["ringft eval-lines", "ringft train", "ringft eval-lines", "ringft.evals.compare"]
     assert checked == ["venv", "pip", "pip", "pip", *evals]
+    assert run.commands[3][-2:] == ["-e", str(root)]  # ringft alone: no test extra for the demo
     (before, extend, after), compared = [launched(c) for c in run.commands[4:7]], run.commands[7]
     configs = {launch.config_file for launch, _ in (before, extend, after)}
     assert configs == {"recipes/accelerate/cpu_2proc.yaml"}

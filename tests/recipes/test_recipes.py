@@ -445,24 +445,35 @@ def test_every_shell_script_runs_in_a_test():
 
 def test_cpu_setup_installs_the_pinned_torch_first(tmp_path):
     """setup_cpu_env.sh installs the CPU torch pin (one that setup.cfg's torch requirement admits)
-    before the package, so pip never resolves an unpinned (multi-GB CUDA) torch; a second run with
-    nothing changed installs nothing."""
+    from PyTorch's CPU wheel index before the package, so pip never resolves a CUDA torch; ``base``
+    installs ringft alone (the demo), ``dev`` adds the test extra; a second run with nothing changed
+    installs nothing (the stamp records the extra: dev covers base); no argument is refused."""
     from packaging.requirements import Requirement
 
     root = scratch_root(tmp_path)
-    installs = [
-        c[c.index("install") + 1 :] for c in run_script(root, "setup_cpu_env.sh").commands if "pip" in c
-    ]
-    assert len(installs) == 3 and installs[0] == ["-q", "--upgrade", "pip"]
-    assert installs[2] == ["-q", "-e", f"{root}[dev]"]
-    (pin,) = [Requirement(a) for a in installs[1] if a.startswith("torch")]
+
+    def installs(extra):
+        commands = run_script(root, "setup_cpu_env.sh", extra).commands
+        return [c[c.index("install") + 1 :] for c in commands if "pip" in c]
+
+    base = installs("base")
+    assert len(base) == 3 and base[0] == ["-q", "--upgrade", "pip"]
+    assert base[2] == ["-q", "-e", str(root)]
+    torch_args = base[1]
+    assert torch_args[torch_args.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert torch_args[torch_args.index("--retries") + 1] == "0"  # an unreachable index fails fast
+    (pin,) = [Requirement(a) for a in torch_args if a.startswith("torch")]
     assert str(pin.specifier).startswith("==") and pin.name == "torch"
     setup = configparser.ConfigParser()
     setup.read(REPO_ROOT / "setup.cfg")
     needed = [Requirement(line) for line in setup["options"]["install_requires"].split("\n") if line]
     (wanted,) = [r for r in needed if r.name == "torch"]
     assert wanted.specifier.contains(str(pin.specifier)[2:])
-    assert run_script(root, "setup_cpu_env.sh").commands == []
+    assert installs("base") == []
+    assert installs("dev")[2] == ["-q", "-e", f"{root}[dev]"]
+    assert installs("dev") == [] and installs("base") == []
+    refused = run_script(root, "setup_cpu_env.sh")
+    assert refused.returncode == 2 and "give 'base'" in refused.stderr and refused.commands == []
 
 
 def _copy_recipes(tmp_path: Path) -> Path:

@@ -1,0 +1,122 @@
+"""Recipe overrides from the command line and the messages for unknown recipe keys.
+
+Overrides are dotted keys, ``--train.max_steps 20`` or ``--train.max_steps=20``; values are read as
+YAML (``--lora null``, ``--train.betas [0.9,0.99]``). An unknown key is named with the closest valid
+one (``train.lr`` for ``train.lrr``), or, for a Hugging Face ``TrainingArguments`` name
+(``learning_rate``, ``output_dir``, ...), with the ringft key that does its job (:data:`HF_NAMES`).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from ringft.train.errors import RecipeError
+
+__all__ = ["HF_NAMES", "apply_overrides", "unknown_keys_message"]
+
+# transformers.TrainingArguments / TRL / PEFT names -> the ringft recipe key (or what to do instead).
+HF_NAMES: dict[str, str] = {
+    "learning_rate": "train.lr",
+    "lr": "train.lr",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "batch_size": "train.micro_batch_size",
+    "max_steps": "train.max_steps",
+    "warmup_steps": "train.warmup_steps",
+    "warmup_ratio": "train.warmup_steps (a number of steps)",
+    "weight_decay": "train.weight_decay",
+    "lr_scheduler_type": "train.schedule (constant or cosine)",
+    "max_grad_norm": "train.grad_clip",
+    "adam_beta1": "train.betas ([beta1, beta2])",
+    "adam_beta2": "train.betas ([beta1, beta2])",
+    "seed": "train.seed",
+    "gradient_checkpointing": "train.gradient_checkpointing",
+    "output_dir": "checkpoint.output_dir",
+    "save_steps": "checkpoint.save_every",
+    "save_total_limit": "checkpoint.keep",
+    "logging_steps": "logging.log_every",
+    "report_to": "logging.tracker",
+    "model_name_or_path": "model.name_or_path",
+    "max_seq_length": "data.seq_len",
+    "max_length": "data.seq_len",
+    "seq_len": "data.seq_len",
+    "dataset_path": "data.path",
+    "bf16": "model.dtype (bf16 or fp32: the weights' dtype; bf16 by default)",
+    "fp16": "model.dtype (bf16 or fp32; fp16 is not supported)",
+    "num_train_epochs": "not supported: ringft counts optimizer steps, set train.max_steps (steps = epochs x"
+    " rows / (micro_batch_size x grad_accum x dp))",
+    "cp_size": "parallel.cp_size",
+    "lora_r": "lora.r",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+}
+
+
+def _hint(where: str, key: str, valid: Iterable[str], elsewhere: Mapping[str, str]) -> str:
+    """``where.key`` with what was probably meant, e.g. ``train.lrr (did you mean train.lr?)``."""
+    name = f"{where}.{key}" if where else key
+    if key in elsewhere and elsewhere[key] != where:
+        return f"{name} (did you mean {elsewhere[key]}.{key}?)"
+    if key in HF_NAMES:
+        meaning = HF_NAMES[key]
+        return f"{name} (Hugging Face's {key}{': ' if meaning.startswith('not ') else ' is '}{meaning})"
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    if close:
+        return f"{name} (did you mean {where + '.' if where else ''}{close[0]}?)"
+    return name
+
+
+def unknown_keys_message(
+    where: str, unknown: Iterable[str], valid: Iterable[str], elsewhere: Mapping[str, str] | None = None
+) -> str:
+    """One line naming each unknown key of section ``where`` ("" for the recipe's top level, whose
+    keys are the sections) with its likely meaning, then the valid keys. ``elsewhere``: key -> the
+    section it belongs to, for a key written in the wrong section."""
+    valid = sorted(valid)
+    named = ", ".join(_hint(where, k, valid, elsewhere or {}) for k in sorted(unknown))
+    if not where:
+        return f"unknown recipe section(s) {named}; valid: {', '.join(valid)}"
+    return f"unknown key(s) {named}; valid keys in {where!r}: {', '.join(valid)}"
+
+
+def _pairs(overrides: list[str]) -> list[tuple[str, str]]:
+    """``["--a.b", "1", "--c.d=2"]`` -> ``[("--a.b", "1"), ("--c.d", "2")]``."""
+    pairs, i = [], 0
+    while i < len(overrides):
+        flag = overrides[i]
+        if flag.startswith("--") and "=" in flag:
+            pairs.append(tuple(flag.split("=", 1)))
+            i += 1
+        elif i + 1 < len(overrides):
+            pairs.append((flag, overrides[i + 1]))
+            i += 2
+        else:
+            raise RecipeError(
+                f"override {flag} has no value: write '--section.key value' or '--section.key=value'"
+            )
+    return pairs  # type: ignore[return-value]
+
+
+def apply_overrides(raw: dict[str, Any] | None, overrides: list[str]) -> dict[str, Any]:
+    """Apply ``["--train.max_steps", "20", "--lora", "null", "--train.lr=1e-5", ...]`` to a parsed
+    recipe (a copy)."""
+    raw = copy.deepcopy(raw or {})
+    for flag, value in _pairs(overrides):
+        if not flag.startswith("--") or len(flag) < 3:
+            raise RecipeError(f"override {flag!r} must look like --section.key")
+        path = flag[2:].replace("-", "_").split(".")
+        node = raw
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        try:
+            node[path[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            node[path[-1]] = value  # not YAML: the text itself
+    return raw
