@@ -216,7 +216,7 @@ def apply_ring_attention(
     (``RingDataCollator(..., ulysses_size=)``). ``attention_tile_tokens`` (an int >= 1; None:
     untiled) runs every attention kernel call over tiles of at most that many queries and keys,
     merged exactly by log-sum-exp (:mod:`ringft.ops.tiles`), so the kernels' transient memory
-    follows the tile instead of the local sequence; prefill of :class:`~ringft.RingInference` too.
+    follows the tile instead of the local sequence.
     """
     if _transformers_version() < MIN_TRANSFORMERS:
         import transformers

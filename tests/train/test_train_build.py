@@ -191,3 +191,13 @@ def test_no_collective_in_except_or_finally():
                         if name in collectives:
                             found.append(f"{path.name}:{call.lineno} {name}")
     assert not found, found
+
+
+def test_recipe_attention_tiles_reach_the_ring(tmp_path):
+    """train.attention_tile_tokens is what the patched attention's RingSpec carries (one rank)."""
+    from ringft.model.patch import ring_spec
+    from ringft.train.build import prepare_for_training
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path / "out", tmp_path, train={"attention_tile_tokens": 48}))
+    model = prepare_for_training(build_model(recipe, vocab_size=VOCAB), recipe, None)
+    assert ring_spec(model).attention_tile_tokens == 48
