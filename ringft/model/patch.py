@@ -34,6 +34,7 @@ from ringft.ops import ShardedKVCache, ulysses_ring_attention, zigzag_ring_atten
 from ringft.ops.comm import group_rank_and_size
 from ringft.ops.hybrid_layout import resolve_cp_groups
 from ringft.ops.ulysses import heads_problem
+from ringft.ops.values import as_integer
 
 __all__ = [
     "ATTENTION_NAME",
@@ -52,7 +53,8 @@ MIN_TRANSFORMERS = (5, 0)
 @dataclass(frozen=True)
 class RingSpec:
     """How a model's attention runs on the ring: the CP group (``size`` ranks, this one ``rank``)
-    and the block backend; set by :func:`apply_ring_attention`, read with :func:`ring_spec`.
+    and the block backend (its calls in tiles of ``attention_tile_tokens`` queries and keys, None:
+    untiled); set by :func:`apply_ring_attention`, read with :func:`ring_spec`.
 
     2D context parallelism: ``ulysses_size > 1`` splits the CP group into Ulysses x ring
     (``groups``: :class:`~ringft.ops.hybrid_layout.HybridGroups`; None for the plain ring), and the
@@ -65,6 +67,7 @@ class RingSpec:
     previous_implementation: str | None
     ulysses_size: int = 1
     groups: Any = None
+    attention_tile_tokens: int | None = None
 
     @property
     def ring_rank(self) -> int:
@@ -155,6 +158,7 @@ def ring_attention_forward(
         validate=not kwargs.get(CHECKED, False),
         cu_seqlens=kwargs.get(DOCUMENTS),
         sliding_window=sliding_window,  # transformers passes each layer's own (None: full attention)
+        attention_tile_tokens=spec.attention_tile_tokens,
     )
     if ring_cache is not None:
         ring_cache.store_prefill(module.layer_idx, k, v)
@@ -197,6 +201,7 @@ def apply_ring_attention(
     *,
     ulysses_size: int | None = None,
     allow_untested: bool = False,
+    attention_tile_tokens: int | None = None,
 ) -> torch.nn.Module:
     """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`: LLaMA, Mistral,
     Qwen2/2.5, Qwen3, Gemma 3 text, Phi-3, OLMo 2) to zigzag ring attention over ``cp_group``.
@@ -208,7 +213,10 @@ def apply_ring_attention(
     (refused naming the sizes that work). Idempotent (a second call updates the groups/backend);
     undo with :func:`remove_ring_attention`. Works on a peft-wrapped model too. Returns ``model``.
     Inputs are then the CP rank's shard: ``input_ids`` / ``position_ids`` ``(batch, S / cp_size)``
-    (``RingDataCollator(..., ulysses_size=)``).
+    (``RingDataCollator(..., ulysses_size=)``). ``attention_tile_tokens`` (an int >= 1; None:
+    untiled) runs every attention kernel call over tiles of at most that many queries and keys,
+    merged exactly by log-sum-exp (:mod:`ringft.ops.tiles`), so the kernels' transient memory
+    follows the tile instead of the local sequence.
     """
     if _transformers_version() < MIN_TRANSFORMERS:
         import transformers
@@ -228,6 +236,7 @@ def apply_ring_attention(
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (their *ForCausalLM and base models)"
         )
     check_model(config, attn_modules, allow_untested)
+    as_integer("attention_tile_tokens", attention_tile_tokens, 1, optional=True)
     group, hybrid = resolve_cp_groups(cp_group, ulysses_size)  # (may build groups: every rank calls it)
     rank, size = group_rank_and_size(group)
     uly = 1 if hybrid is None else hybrid.sizes()[0]
@@ -243,7 +252,10 @@ def apply_ring_attention(
     if hook is not None:
         hook.remove()
     previous = old.previous_implementation if old else config._attn_implementation
-    spec = RingSpec(group, backend, size, rank, previous, ulysses_size=uly, groups=hybrid)
+    spec = RingSpec(
+        group, backend, size, rank, previous, ulysses_size=uly, groups=hybrid,
+        attention_tile_tokens=attention_tile_tokens,
+    )  # fmt: skip
     pretrained._ringft_hook = decoder(model).register_forward_pre_hook(
         _input_check_hook(spec, config), with_kwargs=True
     )

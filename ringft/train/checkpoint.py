@@ -254,7 +254,7 @@ def export_final(
     back). A LoRA export also saves the base config with this run's RoPE / context overrides, so
     the adapter is evaluated with the theta it was trained at.
     """
-    from ringft.model.patch import apply_ring_attention, remove_ring_attention
+    from ringft.model.patch import apply_ring_attention, remove_ring_attention, ring_spec
 
     final = Path(output_dir) / "final"
     state = None
@@ -264,6 +264,7 @@ def export_final(
             state = {k.removeprefix("model."): v for k, v in full.items()}
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(wrapped).model
+        tiles = getattr(ring_spec(model), "attention_tile_tokens", None)
         remove_ring_attention(model)
         try:
             model.save_pretrained(str(final), state_dict=state)
@@ -275,6 +276,6 @@ def export_final(
             if is_io_failure(exc):
                 raise io_error("the final model", final, exc) from exc
             raise
-        apply_ring_attention(model, cp_group, backend)
+        apply_ring_attention(model, cp_group, backend, attention_tile_tokens=tiles)
     accelerator.wait_for_everyone()
     return final

@@ -72,8 +72,27 @@ def equivalence_worker(rank: int, world: int, group) -> dict[str, float]:
     model = apply_ring_attention(copy.deepcopy(ref), group)
     errors.update(compare_with_reference(model, ref, batch, full, rank, world, "llama-lora", group))
     errors.update(_autocast_errors(collator, group))
+    errors.update(_tile_errors(batch, group))
     errors["gathers/forward+backward"] = _count_all_gathers(collator, group)
     return errors
+
+
+def _tile_errors(batch, group) -> dict[str, float]:
+    """The same fp64 model on the ring with ``attention_tile_tokens=5`` and untiled: this rank's
+    logits and gradients, max error relative to the untiled ones' largest entry."""
+    ref = tiny_model("llama").double()
+    runs = []
+    for tiles in (None, 5):
+        model = apply_ring_attention(copy.deepcopy(ref), group, attention_tile_tokens=tiles)
+        out = model(**batch)
+        out.loss.backward()
+        runs.append((out.logits.detach(), [p.grad for p in model.parameters()]))
+    (logits, grads), (tiled_logits, tiled_grads) = runs
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()  # noqa: E731
+    return {
+        "fp64-tiles/logits": rel(tiled_logits, logits),
+        "fp64-tiles/grad": max(rel(a, b) for a, b in zip(tiled_grads, grads)),
+    }
 
 
 def _autocast_errors(collator, group) -> dict[str, float]:
@@ -139,6 +158,9 @@ def test_models_on_ring_match_one_process(results, world):
         # One validation all_gather per forward; the old code did one per layer call (2 layers,
         # forward + checkpoint recompute = 4).
         assert errors.pop("gathers/forward+backward") == 1, f"CP={world} rank {rank}: all_gather count"
+        # Attention in tiles, fp64: the tiles only reorder sums (fp64 round-off, ~1e-15 per operation).
+        for name in [k for k in errors if k.startswith("fp64-tiles/")]:
+            assert errors.pop(name) <= 1e-12, f"CP={world} rank {rank} {name}"
         for name, err in errors.items():
             limit = {"loss": 1e-6, "logits": 1e-5, "grad": 1e-5}[name.split("/")[1]]
             assert err <= limit, f"CP={world} rank {rank} {name}: {err:.2e} > {limit:.0e}"

@@ -20,6 +20,7 @@ import torch
 from ringft.ops import backends
 from ringft.ops.backends import CudnnBackend, auto_backend_choice, get_backend
 from ringft.ops.emulate import emulate_zigzag_attention
+from ringft.ops.zigzag import zigzag_ring_attention
 from tests.oracle import full_attention_fp64, per_document_attention_fp64, windowed_attention_fp64
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -162,6 +163,28 @@ def run_cudnn_checks(verbose: bool = False) -> list[str]:
             emulate_zigzag_attention(q, k, v, world, backend="cudnn", dout=dout, sliding_window=64), ref
         )
         report(f"cudnn sliding window 64 N={world}", got, [2 * b + 4e-3 for b in base])
+    # Attention in tiles (attention_tile_tokens, one rank): each tile's output is merged in fp32 and
+    # rounded once to bf16, as an untiled call's is, so the one-call bound applies.
+    q, k, v, dout = _inputs((2, 240), 32, 8, 128, torch.bfloat16, seed=4)
+    for causal, tile, extra in [(True, 100, {}), (False, 37, {}), (True, 64, {"cu_seqlens": cu}),
+                                (True, 50, {"sliding_window": 64})]:  # fmt: skip
+        if "cu_seqlens" in extra:
+            fn = lambda a, b, c: per_document_attention_fp64(a, b, c, cu)  # noqa: E731
+        elif "sliding_window" in extra:
+            fn = lambda a, b, c: windowed_attention_fp64(a, b, c, 64)  # noqa: E731
+        else:
+            fn = functools.partial(full_attention_fp64, causal=causal)
+        ref = _reference(q, k, v, dout, fn)
+        base = _errors(
+            emulate_zigzag_attention(q, k, v, 1, causal=causal, backend="torch", dout=dout, **extra), ref
+        )
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out, lse = zigzag_ring_attention(
+            qg, kg, vg, causal=causal, backend="cudnn", return_lse=True, attention_tile_tokens=tile, **extra
+        )
+        grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+        report(f"cudnn tiles of {tile} causal={causal} {extra}", _errors((out, lse, grads), ref),
+               [2 * b + 4e-3 for b in base])  # fmt: skip
     return failures
 
 

@@ -98,3 +98,14 @@ def test_bad_ulysses_size_is_refused_before_the_trainer_is_built(cp, ulysses, me
     trainer = type("RingTrainer", (RingTrainerMixin, Trainer), {})
     with pytest.raises(ValueError, match=rf"^ringft.RingTrainerMixin: {message}"):
         trainer(model=LlamaForCausalLM(config), cp_size=cp, ulysses_size=ulysses)
+
+
+def test_bad_attention_tile_tokens_is_refused_before_the_trainer_is_built():
+    from transformers import Trainer
+
+    from ringft import RingTrainerMixin
+
+    trainer = type("RingTrainer", (RingTrainerMixin, Trainer), {})
+    message = r"^ringft.RingTrainerMixin: attention_tile_tokens must be an integer >= 1 or null, got 0"
+    with pytest.raises(ValueError, match=message):
+        trainer(model=None, cp_size=2, attention_tile_tokens=0)

@@ -205,3 +205,13 @@ def test_save_final_false_writes_nothing_at_the_end(tmp_path, short_data):
     assert not (out / "final").exists()
     assert not [p for p in out.iterdir() if p.name.startswith("checkpoint")]
     assert (out / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_recipe_attention_tiles_reach_the_ring(tmp_path):
+    """train.attention_tile_tokens is what the patched attention's RingSpec carries (one rank)."""
+    from ringft.model.patch import ring_spec
+    from ringft.train.build import prepare_for_training
+
+    recipe = recipe_from_dict(tiny_recipe(tmp_path / "out", tmp_path, train={"attention_tile_tokens": 48}))
+    model = prepare_for_training(build_model(recipe, vocab_size=VOCAB), recipe, None)
+    assert ring_spec(model).attention_tile_tokens == 48
