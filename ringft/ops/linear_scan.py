@@ -89,7 +89,9 @@ def _owner(chunk: int, size: int) -> tuple[int, int]:
     return (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
 
 
-def document_starts(offsets: Offsets | None, seq_len: int, rank: int, size: int) -> list[list[list[int]]] | None:
+def document_starts(
+    offsets: Offsets | None, seq_len: int, rank: int, size: int
+) -> list[list[list[int]]] | None:
     """Per row, per slot (this rank's two chunks): the chunk-local positions where a document
     starts (``0`` included when one starts on the chunk's first token); None without documents."""
     if offsets is None:
@@ -168,10 +170,8 @@ def halo_conv(x: Tensor, halos: Tensor, weight: Tensor, bias: Tensor | None, rea
         out = torch.nn.functional.conv1d(ext, weight.unsqueeze(1), bias, groups=channels)
     else:
         lags = torch.stack(reach.split(c, dim=-1), dim=1).reshape(batch * 2, 1, c)
-        out = sum(
-            weight[:, kernel - 1 - lag, None] * ext[..., kernel - 1 - lag : kernel - 1 - lag + c] * (lags >= lag)
-            for lag in range(kernel)
-        )
+        taps = [(kernel - 1 - lag, lags >= lag) for lag in range(kernel)]  # (input offset, allowed)
+        out = sum(weight[:, at, None] * ext[..., at : at + c] * ok for at, ok in taps)
         out = out if bias is None else out + bias[:, None]
     return torch.cat(out.reshape(batch, 2, channels, c).unbind(1), dim=-1)
 

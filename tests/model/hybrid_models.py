@@ -81,4 +81,5 @@ def hybrid_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int 
 def kernels(model_type: str = "qwen3_5_text") -> tuple[Any, Any]:
     """transformers' ``(torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule)`` torch paths."""
     module = importlib.import_module(MODULES[model_type])
-    return module.torch_chunk_gated_delta_rule.__wrapped__, module.torch_recurrent_gated_delta_rule.__wrapped__
+    chunk, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule
+    return chunk.__wrapped__, recurrent.__wrapped__
