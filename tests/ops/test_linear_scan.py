@@ -51,8 +51,8 @@ def _reference(recurrent, inputs, offsets=None):
     return torch.cat(rows)
 
 
-def _with_grads(fn, inputs, dout, *args):
-    out = fn(*args)
+def _with_grads(fn, inputs, dout, *args, **kwargs):
+    out = fn(*args, **kwargs)
     grads = torch.autograd.grad(out, inputs, dout)
     return [out.detach(), *grads]
 
