@@ -78,9 +78,7 @@ def main() -> None:
     rule = torch_chunk_gated_delta_rule.__wrapped__  # the torch path (flash-linear-attention not used)
     print("command: python " + " ".join(map(shlex.quote, sys.argv)))
     print("machine:", describe_machine())
-    print(
-        "\n| shapes | N | forward sent / rank | forward received / rank | backward all-reduce payload / rank |"
-    )
+    print("\n| shapes | N | forward sent / rank | forward received / rank | backward all-reduce payload |")
     print("|---|---|---|---|---|")
     for name, shape in REAL.items():
         for world in (2, 4, 8):
