@@ -22,6 +22,7 @@ Refused by name: Ulysses x ring (``ulysses_size > 1``), a recurrent cache (``use
 from __future__ import annotations
 
 import contextvars
+import functools
 import sys
 import types
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ def linear_attention_problem(model: torch.nn.Module, config: Any, ulysses_size: 
 
 
 def _conv_dispatcher(original):
+    @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         active = _ACTIVE.get()
         if active is None:
@@ -110,6 +112,7 @@ def _conv_dispatcher(original):
 
 
 def _rule_dispatcher(original):
+    @functools.wraps(original)
     def torch_chunk_gated_delta_rule(query, key, value, *args, **kwargs):
         active = _ACTIVE.get()
         if active is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import types
 from typing import Any
 
@@ -79,7 +80,8 @@ def hybrid_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int 
 
 
 def kernels(model_type: str = "qwen3_5_text") -> tuple[Any, Any]:
-    """transformers' ``(torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule)`` torch paths."""
+    """transformers' ``(torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule)`` torch paths
+    (under ringft's dispatchers, once a hybrid was put on the ring in this process)."""
     module = importlib.import_module(MODULES[model_type])
     chunk, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule
-    return chunk.__wrapped__, recurrent.__wrapped__
+    return inspect.unwrap(chunk), inspect.unwrap(recurrent)
