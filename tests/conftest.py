@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 _MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "olmo2")
+_MODELS += ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # the Gated DeltaNet hybrids
 os.environ.setdefault(
     "RINGFT_SPAWN_PRELOAD",
     ",".join(

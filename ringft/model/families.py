@@ -17,10 +17,16 @@ is what arrives there (read from each modeling file of transformers 5.24):
 - Gemma 3's local layers rotate with their own RoPE base (``rope_parameters["sliding_attention"]``),
   computed from the global position ids, so they are exact under zigzag sharding too.
 
+Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next text models: ``linear=True``): their
+``linear_attention`` layers bypass the attention interface and run on the ring through
+:mod:`ringft.model.gated_deltanet`; their full-attention layers (q/k RMSNorm per head, an output
+gate, partial RoPE: all per token) go through the ring as every family's.
+
 Refused, because the ring cannot compute them exactly: attention-logit soft-capping (Gemma 2), a
 final-logit soft-cap (the chunked loss and RingInference project with the bare ``lm_head``),
 attention sinks (gpt-oss), bidirectional / non-causal layers, chunked-attention or non-attention
-layer types. Unknown model types need ``allow_untested=True``; the refusals hold for them too.
+layer types (linear-attention layers outside the hybrids above). Unknown model types need
+``allow_untested=True``; the refusals hold for them too.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ class Family:
     Shape facts for the planner: ``qk_norm`` ``""`` / ``"head"`` (an RMSNorm over each head's
     ``head_dim``) / ``"all"`` (over all heads' q or k, OLMo 2); ``qkv_bias`` (q/k/v projections
     with bias, o_proj without: Qwen2); ``norms`` RMSNorms per decoder layer (Gemma 3: 4);
-    ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+    ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``); ``linear``: Gated DeltaNet layers where
+    ``config.layer_types`` says ``"linear_attention"``."""
 
     model_type: str
     label: str
@@ -69,6 +76,7 @@ class Family:
     qkv_bias: bool = False
     norms: int = 2
     fused: bool = False
+    linear: bool = False
 
 
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -132,6 +140,29 @@ FAMILIES: dict[str, Family] = {
             "q/k RMSNorm over all heads; post-norms",
             qk_norm="all",
         ),
+        *(
+            Family(
+                model_type,
+                label,
+                classes,
+                "none",
+                _QKVO,
+                "Gated DeltaNet (linear_attention) layers with gated full-attention layers per layer_types; "
+                "per-head q/k RMSNorm; partial RoPE" + extra,
+                qk_norm="head",
+                linear=True,
+            )
+            for model_type, label, classes, extra in (
+                ("qwen3_5_text", "Qwen3.5 (text)", ("Qwen3_5ForCausalLM", "Qwen3_5TextModel"), ""),
+                (
+                    "qwen3_5_moe_text",
+                    "Qwen3.5-MoE (text)",
+                    ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel"),
+                    "; MoE MLPs",
+                ),
+                ("qwen3_next", "Qwen3-Next", ("Qwen3NextForCausalLM", "Qwen3NextModel"), "; MoE MLPs"),
+            )
+        ),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -186,11 +217,14 @@ def layer_windows(config: Any) -> list[int | None]:
 
 def _layer_type_problem(config: Any) -> str | None:
     kinds = getattr(config, "layer_types", None) or []
-    odd = sorted({k for k in kinds if k not in _LAYER_TYPES})
+    fam = family_of(config)
+    allowed = (*_LAYER_TYPES, "linear_attention") if fam is not None and fam.linear else _LAYER_TYPES
+    odd = sorted({k for k in kinds if k not in allowed})
     if odd:
         return (
             f"layer_types {odd} (only full_attention and sliding_attention layers run on the ring; "
-            "chunked or linear-attention layers are not supported)"
+            "chunked or linear-attention layers are not supported, but the Gated DeltaNet layers of "
+            "qwen3_5_text, qwen3_5_moe_text and qwen3_next)"
         )
     return None
 
@@ -223,6 +257,12 @@ def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
 
 def _unsupported_type_message(model_type: Any) -> str:
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        text = model_type + "_text"
+        return (
+            f"model type {model_type!r} (text + vision) is not supported by ringft: train its text decoder "
+            f"(the *ForCausalLM of model type {text}); supported: {supported}"
+        )
     if model_type == "gemma3":
         return (
             "model type 'gemma3' (Gemma3ForConditionalGeneration: text + vision) is not supported by "
@@ -251,6 +291,8 @@ def check_model(config: Any, modules: list[nn.Module], allow_untested: bool = Fa
             f"AttentionInterface ({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     layers = getattr(config, "num_hidden_layers", None)
+    if fam is not None and fam.linear and layers is not None:  # the Gated DeltaNet layers are counted apart
+        layers -= list(getattr(config, "layer_types", None) or []).count("linear_attention")
     if fam is not None and layers is not None and len(modules) != layers:
         raise ValueError(
             f"found {len(modules)} attention modules in this {fam.label} model but config.num_hidden_layers "

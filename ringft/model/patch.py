@@ -27,6 +27,11 @@ from typing import Any
 
 import torch
 
+from ringft.model.gated_deltanet import (
+    linear_attention_problem,
+    prepare_linear_attention,
+    release_linear_attention,
+)
 from ringft.model.inputs import CHECKED, DOCUMENTS, check_forward_inputs
 from ringft.model.rope import rope_problem
 from ringft.model.unwrap import decoder, pretrained_model
@@ -246,6 +251,9 @@ def apply_ring_attention(
     rope = rope_problem(config, size)
     if rope:
         raise ValueError(rope)
+    linear = linear_attention_problem(model, config, uly)  # Gated DeltaNet hybrids
+    if linear:
+        raise ValueError(linear)
     _register()
     old = ring_spec(model)
     hook = getattr(pretrained, "_ringft_hook", None)
@@ -262,6 +270,7 @@ def apply_ring_attention(
     pretrained._ringft_ring = spec
     for module in attn_modules:
         module._ringft_ring = spec
+    prepare_linear_attention(model, spec)
     pretrained.set_attn_implementation(ATTENTION_NAME)
     return model
 
@@ -275,6 +284,7 @@ def remove_ring_attention(model: torch.nn.Module) -> torch.nn.Module:
     pretrained._ringft_hook.remove()
     for module in _attention_modules(model):
         module.__dict__.pop("_ringft_ring", None)
+    release_linear_attention(model)
     del pretrained._ringft_ring
     del pretrained._ringft_hook
     pretrained.set_attn_implementation(spec.previous_implementation or "sdpa")

@@ -23,17 +23,24 @@ from tests.model.family_models import (
     tiny_family,
     windowed_model,
 )
+from tests.model.hybrid_models import MODULES as HYBRIDS
+from tests.model.hybrid_models import hybrid_model
 
 
 def test_every_supported_family_is_accepted_without_a_flag():
-    names = {FAMILY_CONFIGS[n][0] for n in FAMILY_CONFIGS} | {"llama", "mistral"}
+    names = {FAMILY_CONFIGS[n][0] for n in FAMILY_CONFIGS} | {"llama", "mistral"} | set(HYBRIDS)
     assert names == set(SUPPORTED_MODEL_TYPES)
     for model_type in SUPPORTED_MODEL_TYPES:
         extra = {"head_dim": 16} if model_type == "gemma3_text" else {}
-        model = tiny_family(model_type, torch.float32, **extra)
+        hybrid = model_type in HYBRIDS  # 1 full-attention layer between 2 Gated DeltaNet layers
+        model = (
+            hybrid_model(model_type, torch.float32)
+            if hybrid
+            else tiny_family(model_type, torch.float32, **extra)
+        )
         apply_ring_attention(model)
         modules = attention_modules(model)
-        assert len(modules) == COMMON["num_hidden_layers"]
+        assert len(modules) == (1 if hybrid else COMMON["num_hidden_layers"])
         assert all(m._ringft_ring is not None for m in modules)
         assert type(model).__name__ in FAMILIES[model_type].classes
         remove_ring_attention(model)
