@@ -224,6 +224,12 @@ def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
 # the variance path), the mean's expanded grad and pow's ``x**1``, ``2*x`` and ``grad * 2x``. Counted
 # on CPU (torch 2.13, bf16 and fp32 alike) and on the GPU (H200, torch 2.11: five 2 GiB blocks at 128K).
 RMSNORM_BACKWARD_TEMPS = 5
+# The fused norm's backward (ringft.model.fused_rmsnorm) works on row chunks of FUSED_NORM_CHUNK
+# (its CHUNK_ROWS) tokens and holds FUSED_NORM_TEMPS fp32 (chunk, h) temporaries at its largest
+# (the chunk's x_hat, u and their product), besides its output dx (a*T*h). Measured on CPU
+# (benchmarks/bench_tiled_norm.py: 3.0 chunks at T = 16K and 64K, h = 1024).
+FUSED_NORM_CHUNK = 4096
+FUSED_NORM_TEMPS = 3
 # A tiled norm's backward (ringft.model.tiled_norm): the tiles' input grads and their cat, plus two
 # more a*T*h that the CPU measurement shows (benchmarks/bench_tiled_norm.py); conservative on GPUs
 # until measured there.
