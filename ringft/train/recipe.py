@@ -213,6 +213,7 @@ class TrainConfig(Section):
     offload_activations: bool = boolean(False)  # checkpointed layer inputs to CPU memory
     tiled_mlp_tokens: int | None = integer(None, lo=1, optional=True)  # MLP in tiles of this many tokens
     tiled_norm_tokens: int | None = integer(None, lo=1, optional=True)  # RMSNorms in tiles (not DeepSpeed)
+    fused_rmsnorm: bool = boolean(True)  # RMSNorms with the fused backward (ringft.model.fused_rmsnorm)
     chunked_loss: bool = boolean(True)  # LM head + cross-entropy in token chunks
     loss_chunk_size: int = integer(4096, lo=1)
     seed: int = integer(0, lo=0)

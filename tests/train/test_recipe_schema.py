@@ -46,6 +46,7 @@ BAD_VALUES = [
     ("train", "chunked_loss", 1, ["train.chunked_loss", "true or false"]),
     ("train", "tiled_mlp_tokens", 0, ["train.tiled_mlp_tokens", ">= 1"]),
     ("train", "tiled_norm_tokens", 0, ["train.tiled_norm_tokens", ">= 1"]),
+    ("train", "fused_rmsnorm", "yes", ["train.fused_rmsnorm", "true or false"]),
     ("train", "loss_chunk_size", 0, ["train.loss_chunk_size", ">= 1"]),
     ("train", "seed", -1, ["train.seed", ">= 0"]),
     ("train", "schedule", "linear", ["train.schedule", "constant, cosine", "'linear'"]),

@@ -13,7 +13,7 @@ off, so ``cp_size=1`` without memory options is the base class unchanged):
 - ``__init__``: checks versions and options, builds ringft's DP x CP layout, CP = Ulysses x ring
   with ``ulysses_size`` (:func:`ringft.ops.build_hybrid_layout`, as ``ringft train`` does),
   switches the model to the ring (:func:`ringft.apply_ring_attention`), installs the chunked-loss forward
-  (:mod:`ringft.train.hf.forward`) and, if asked, the tiled MLP;
+  (:mod:`ringft.train.hf.forward`), the fused RMSNorm backward and, if asked, the tiled MLP;
 - ``_get_dataloader``: every dataloader reads per DP replica and shards per CP rank
   (:mod:`ringft.train.hf.data`);
 - ``get_cp_size``: the CP size, so the Trainer's total batch size counts DP replicas;
@@ -108,6 +108,8 @@ class RingTrainerMixin:
     - ``loss_chunk_size``: tokens per chunk of the ``lm_head`` + cross-entropy (no full logits).
     - ``tiled_mlp_tokens``: run the MLP over token tiles of this size (``ringft.model.tiled_mlp``).
     - ``offload_activations``: keep the decoder's saved activations in CPU memory.
+    - ``fused_rmsnorm``: the RMSNorms' fused backward (``ringft.model.fused_rmsnorm``: same values,
+      no fp32 ``(tokens, hidden)`` temporaries), on whenever the ring or a memory option above is.
 
     Gradient checkpointing is the Trainer's own (``activation_checkpointing=True``). Launch with
     ``accelerate launch`` (DDP, DeepSpeed ZeRO-3, FSDP1 / FSDP2 configs), ``cp_size`` given here,
@@ -123,10 +125,13 @@ class RingTrainerMixin:
         loss_chunk_size: int = 4096,
         tiled_mlp_tokens: int | None = None,
         offload_activations: bool = False,
+        fused_rmsnorm: bool = True,
         **kwargs: Any,
     ):
         if not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"{WHERE}: cp_size must be an integer >= 1, got {cp_size!r}")
+        if not isinstance(fused_rmsnorm, bool):
+            raise ValueError(f"{WHERE}: fused_rmsnorm must be True or False, got {fused_rmsnorm!r}")
         if loss_chunk_size < 1:
             raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
         problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
@@ -148,6 +153,10 @@ class RingTrainerMixin:
 
         apply_ring_attention(self.model, layout, ring_backend)  # Ulysses x ring: the layout's groups
         install_ring_loss_forward(self.model, loss_chunk_size, offload_activations)
+        if fused_rmsnorm:
+            from ringft.model.fused_rmsnorm import enable_fused_rmsnorm
+
+            enable_fused_rmsnorm(self.model)
         if tiled_mlp_tokens:
             from ringft.model.tiled_mlp import enable_tiled_mlp
 
