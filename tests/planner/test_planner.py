@@ -589,3 +589,48 @@ def test_planner_matches_measured_cpu_peak():
 
 if __name__ == "__main__":  # the measuring subprocess of test_planner_matches_measured_cpu_peak
     print(json.dumps(_measure_worker([tuple(r) for r in json.loads(sys.argv[1])])))
+
+
+def test_fused_norm_attention_tiles_and_saves_by_hand():
+    """The terms of train.fused_rmsnorm, attention_tile_tokens and attention_checkpoint, by hand
+    (TINY: h=8, nh=2, nkv=1, d=4, L=2; T = 32, a = 2)."""
+    from ringft.planner.formulas import FUSED_NORM_TEMPS
+
+    base = dict(cp_size=2, overhead_gib=0)
+    plain = plan_memory(TINY, 64, 2, 1.0, fused_rmsnorm=False, **base)
+    fused = plan_memory(TINY, 64, 2, 1.0, **base)
+    d = fused.details
+    # a norm keeps its input a*h and rstd 4 (+ its output a*h, kept by q/k/v): 16 + 4 + 16 per token
+    assert d["layer_saved.norm1"] == 32 * 36 and d["layer_saved.norm2"] == 32 * 36
+    # its backward: dx a*T*h and FUSED_NORM_TEMPS fp32 chunks (T < chunk: T rows)
+    assert d["layer_ws.norm_transients"] == 2 * 32 * 8 + 2 * 32 * 8 + FUSED_NORM_TEMPS * 4 * 32 * 8
+    assert d["layer_ws.norm_transients"] < plain.details["layer_ws.norm_transients"]
+    # attention tiles: only the expanded dK/dV (2*a*q) and the fp32 dq workspace (4*q) shrink
+    tiled = plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=8, **base).details
+    q = 2 * 4
+    assert d["layer_ws.attention_kernel"] - tiled["layer_ws.attention_kernel"] == (32 - 8) * (
+        2 * 2 * q + 4 * q
+    )
+    big = plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=4096, **base).details
+    assert big["layer_ws.attention_kernel"] == d["layer_ws.attention_kernel"]
+    # attention saves: output a*q + lse 4*nh per token and layer; L - 1 layers besides the working set
+    per_layer = 32 * (2 * q + 4 * 2)
+    save = plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="save", **base)
+    assert save.checkpointed_activations - fused.checkpointed_activations == (2 - 1) * per_layer
+    off = plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="offload", **base)
+    assert off.checkpointed_activations - fused.checkpointed_activations == per_layer
+    assert off.cpu_offloaded == off.details["host.attention"] == (2 - 1) * per_layer
+    with pytest.raises(ValueError, match="attention_checkpoint"):
+        plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="keep")
+    with pytest.raises(ValueError, match="attention_tile_tokens"):
+        plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=0)
+
+
+def test_plan_cli_new_flags_and_host_memory(capsys):
+    argv = ["--model", "llama-3-8b", "--seq-len", "65536", "--gpus", "1", "--gpu-mem", "79.6", "--lora"]
+    assert plan_main([*argv, "--attention-tile-tokens", "16384", "--attention-checkpoint", "offload"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory (CPU RAM) per GPU" in out and "attention" in out and "fused RMSNorm backward" in out
+    with pytest.raises(SystemExit):  # argparse's choices
+        plan_main([*argv, "--no-fused-rmsnorm", "--attention-checkpoint", "keep"])
+    assert plan_main([*argv, "--attention-tile-tokens", "0"]) == 2
