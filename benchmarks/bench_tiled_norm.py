@@ -1,5 +1,5 @@
-"""Peak memory of one RMSNorm forward + backward, untiled vs tiled (``ringft.model.tiled_norm``), on
-CPU, against the planner's terms for it.
+"""Peak memory of one RMSNorm forward + backward, untiled vs tiled (``ringft.model.tiled_norm``) vs
+fused (``ringft.model.fused_rmsnorm``), on CPU, against the planner's terms for it.
 
 Each case runs in a fresh process (``MALLOC_MMAP_THRESHOLD_`` set so that freed buffers return to
 the OS): a ``LlamaRMSNorm`` of width ``h`` on a bf16 ``(T, h)`` input that requires grad, with the
@@ -11,7 +11,12 @@ output grad made beforehand; peak = rise of the process's RSS high-water mark (`
   fp32 temporaries ``5*4*T*h`` and the input grad ``a*T*h``;
 - tiled (``c`` tokens per tile): the output ``a*T*h``, one tile's recompute and temporaries
   ``c*(6*4*h + 4)``, the tiles' input grads, their cat and two more ``a*T*h`` seen here
-  (``TILED_NORM_GRADS * a*T*h``).
+  (``TILED_NORM_GRADS * a*T*h``);
+- fused (``tile`` given as ``f``; its norm has a bf16 weight, as a bf16 model's has, and so has
+  the untiled case ``b`` it is compared with; the other two cases keep the fp32 weight they were
+  first recorded with, whose fp32 output and output grad add ``2*a*T*h``): the rstd ``4*T`` (its
+  input is the caller's), the output and the input grad ``2*a*T*h``, one row chunk's fp32 temporaries
+  ``FUSED_NORM_TEMPS * 4 * min(T, CHUNK_ROWS) * h``.
 
 Run: ``python benchmarks/bench_tiled_norm.py [--seqs 16384,65536] [--hidden 1024] [--tile 4096]``
 (under a minute on 2 cores).
@@ -40,8 +45,9 @@ def _kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def measure(seq: int, hidden: int, tile: int) -> int:
-    """Peak RSS rise (bytes) of one norm forward + backward in this process (``tile`` 0: untiled)."""
+def measure(seq: int, hidden: int, tile: int | str) -> int:
+    """Peak RSS rise (bytes) of one norm forward + backward in this process (``tile`` 0: untiled,
+    ``"f"``: fused, ``"b"``: untiled; both with a bf16 weight)."""
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -52,7 +58,13 @@ def measure(seq: int, hidden: int, tile: int) -> int:
     holder = torch.nn.Module()
     holder.config = LlamaConfig(hidden_size=hidden)
     holder.norm = LlamaRMSNorm(hidden)
-    if tile:
+    if tile in ("f", "b"):  # a bf16 model's norm (bf16 weight: bf16 output and output grad)
+        holder.norm.to(torch.bfloat16)
+    if tile == "f":
+        from ringft.model.fused_rmsnorm import enable_fused_rmsnorm
+
+        enable_fused_rmsnorm(holder)
+    elif tile and tile != "b":
         enable_tiled_norm(holder, tile_tokens=tile)
     x = torch.randn(seq, hidden, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(seq, hidden, dtype=torch.bfloat16)
@@ -65,13 +77,17 @@ def measure(seq: int, hidden: int, tile: int) -> int:
     return _kib("VmHWM") * 1024 - base
 
 
-def planned(seq: int, hidden: int, tile: int) -> int:
+def planned(seq: int, hidden: int, tile: int | str) -> int:
     """The planner's terms for one isolated norm (see the module docstring)."""
+    from ringft.model.fused_rmsnorm import CHUNK_ROWS
+    from ringft.planner.formulas import FUSED_NORM_TEMPS
     from ringft.planner.formulas import RMSNORM_BACKWARD_TEMPS as temps
     from ringft.planner.formulas import TILED_NORM_GRADS as grads
 
     a, t, h = 2, seq, hidden
-    if not tile:
+    if tile == "f":
+        return 4 * t + 2 * a * t * h + FUSED_NORM_TEMPS * 4 * min(t, CHUNK_ROWS) * h
+    if not tile or tile == "b":
         return t * (4 * h + 4) + a * t * h + temps * 4 * t * h + a * t * h
     return a * t * h + min(tile, t) * ((temps + 1) * 4 * h + 4) + grads * a * t * h
 
@@ -85,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: "seq,hidden,tile[,tile...]"
     args = p.parse_args(argv)
     if args.one:  # one process, the cases one after the other (freed buffers go back to the OS)
-        seq, hidden, *tiles = (int(v) for v in args.one.split(","))
+        seq, hidden, *tiles = (v if v in ("f", "b") else int(v) for v in args.one.split(","))
         print(json.dumps([measure(seq, hidden, tile) for tile in tiles]))
         return 0
     from benchmarks.machine import describe_machine
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
-        for tile in (0, args.tile):  # a fresh process per case
+        for tile in (0, args.tile, "b", "f"):  # a fresh process per case
             out = subprocess.run(
                 [sys.executable, __file__, "--one", f"{seq},{args.hidden},{tile}"],
                 env=env,
@@ -113,11 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| T | tiles | measured MiB | planned MiB | measured / planned |")
     print("|---|---|---|---|---|")
     for seq, tile, got, plan in rows:
-        label = f"{tile} tokens" if tile else "untiled"
+        names = {"f": "fused (bf16 weight)", "b": "untiled (bf16 weight)", 0: "untiled"}
+        label = names.get(tile, f"{tile} tokens")
         print(f"| {seq} | {label} | {got / MIB:.0f} | {plan / MIB:.0f} | {got / plan:.2f} |")
     for seq in sorted({r[0] for r in rows}):
-        plain, tiled = (r[2] for r in rows if r[0] == seq)
-        print(f"\nT = {seq}: tiled / untiled measured {tiled / plain:.2f}", end="")
+        plain, tiled, plain_bf16, fused = (r[2] for r in rows if r[0] == seq)
+        print(
+            f"\nT = {seq}: measured tiled / untiled {tiled / plain:.2f}, fused / untiled (bf16 weights) "
+            f"{fused / plain_bf16:.2f}",
+            end="",
+        )
     print()
     return 0
 

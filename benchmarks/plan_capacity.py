@@ -22,21 +22,40 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ringft without installing
 
 from benchmarks.machine import describe_machine  # noqa: E402
-from ringft.planner import GIB, max_seq_len_that_fits, plan_memory  # noqa: E402
+from ringft.planner import DEFAULT_LORA_TARGETS, GIB, max_seq_len_that_fits, plan_memory  # noqa: E402
 
 MODELS = ["llama-3.2-1b", "llama-3-8b"]
 # Cumulative option sets. "ckpt" = per-layer gradient checkpointing, on in every row (without it
 # nothing long fits); the first row is what a plain Hugging Face training step keeps: full logits.
+# Rows up to the ZeRO-3 offload one run autograd's RMSNorm backward (fused_rmsnorm=False), as before
+# the fused norm; the rows after them add the fused norm and the attention tiles.
+_OLD = {"fused_rmsnorm": False}
 LADDER: list[tuple[str, dict[str, Any]]] = [
-    ("ckpt, full logits (HF default loss)", {"chunked_loss": False}),
-    ("+ chunked loss", {}),
-    ("+ tiled MLP", {"tiled_mlp": True}),
-    ("+ activation offload", {"tiled_mlp": True, "offload_activations": True}),
+    ("ckpt, full logits (HF default loss)", {"chunked_loss": False, **_OLD}),
+    ("+ chunked loss", {**_OLD}),
+    ("+ tiled MLP", {"tiled_mlp": True, **_OLD}),
+    ("+ activation offload", {"tiled_mlp": True, "offload_activations": True, **_OLD}),
     (
-        "+ optimizer & param offload (ZeRO-3)",
-        {"tiled_mlp": True, "offload_activations": True, "offload_optimizer": True, "offload_params": True},
+        "+ optimizer & param offload (ZeRO-3; grads in host memory)",
+        {
+            "tiled_mlp": True,
+            "offload_activations": True,
+            "offload_optimizer": True,
+            "offload_params": True,
+            **_OLD,
+        },
     ),
 ]
+FUSED = ("+ fused RMSNorm backward (`train.fused_rmsnorm`)", {**LADDER[4][1], "fused_rmsnorm": True})
+TILES = (
+    "+ attention tiles of 64K tokens (`train.attention_tile_tokens`)",
+    {**FUSED[1], "attention_tile_tokens": 65536},
+)
+NEW_ROWS = [FUSED, TILES]
+BF16_ADAPTERS_ALL = (
+    "+ adapters in bf16 (`lora.adapter_dtype: model`)",
+    {**TILES[1], "lora_fp32_adapters": False},
+)
 
 
 # Beside the ladder's last row: RMSNorms over token tiles (`train.tiled_norm_tokens`) on top of the
@@ -45,7 +64,7 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
 # copy of a target's input)
 TILED_NORMS = (
     "act. offload + tiled norms (no ZeRO offload: DDP / FSDP)",
-    {**LADDER[3][1], "tiled_norm_tokens": 4096},
+    {**LADDER[3][1], "tiled_norm_tokens": 4096, "fused_rmsnorm": False},
 )
 BF16_ADAPTERS = (
     "+ adapters in bf16 (`lora.adapter_dtype: model`)",
@@ -73,13 +92,17 @@ def capacity_rows(gpu_mem: float) -> list[dict[str, Any]]:
     rows = []
     for model in MODELS:
         for mode in ("full", "LoRA"):
-            for name, extra in LADDER + [TILED_NORMS] + ([BF16_ADAPTERS] if mode == "LoRA" else []):
+            rows_of = LADDER + NEW_ROWS + ([BF16_ADAPTERS_ALL] if mode == "LoRA" else [])
+            rows_of += [TILED_NORMS] + ([BF16_ADAPTERS] if mode == "LoRA" else [])
+            for name, extra in rows_of:
                 opts = _options(mode, extra)
                 one = max_seq_len_that_fits(model, 1, gpu_mem, cp_size=1, **opts)
                 node = max_seq_len_that_fits(model, 8, gpu_mem, cp_size=8, **opts)
-                host = 0.0
+                host = node_host = 0.0
                 if one:
                     host = plan_memory(model, one, 1, gpu_mem, cp_size=1, **opts).cpu_offloaded / GIB
+                if node:
+                    node_host = plan_memory(model, node, 8, gpu_mem, cp_size=8, **opts).cpu_offloaded / GIB
                 rows.append(
                     {
                         "model": model,
@@ -88,6 +111,7 @@ def capacity_rows(gpu_mem: float) -> list[dict[str, Any]]:
                         "one_gpu": one,
                         "one_gpu_host_gib": host,
                         "node_cp8": node,
+                        "node_host_gib": 8 * node_host,
                     }
                 )
     return rows
@@ -98,19 +122,25 @@ def markdown(rows: list[dict[str, Any]], gpu_mem: float) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     out = [
         f"Command: `python benchmarks/plan_capacity.py --gpu-mem {gpu_mem}` ({now}). Planner settings:",
-        "bf16 weights with fp32 master weights and Adam states (full) / fp32 LoRA r16 adapters on all",
-        "linear layers (LoRA); ZeRO-3 over the GPUs of the run (on one GPU: no sharding; the last row",
-        "is ZeRO-3 offload, which also works on one GPU); micro-batch 1; flash-attn backend; 3 GiB",
-        "framework overhead; loss chunk 4096 tokens; MLP tile = hidden size tokens.",
+        "bf16 weights with fp32 master weights and Adam states (full) / fp32 LoRA r16 adapters on",
+        f"{', '.join(DEFAULT_LORA_TARGETS)} (LoRA); zero_stage 3 in every row: DeepSpeed ZeRO-3 or FSDP",
+        "FULL_SHARD over the GPUs of the run (on one GPU: nothing to shard, i.e. DDP-equal; the offload",
+        "rows are DeepSpeed ZeRO-3 offload, which also works on one GPU, its gradient partitions in host",
+        "memory); micro-batch 1; flash-attn backend's transients; 3 GiB framework overhead; loss chunk",
+        "4096 tokens; MLP tile = hidden size tokens. The first row is a plain transformers step's loss",
+        "(12 T V bytes of fp32 logits and grads): at 32K on one H100 it plans 71 GiB and the measured",
+        "step ran out of memory (RESULTS.md, issue 25 item 1): that row is optimistic. Host GiB: the",
+        "offloaded optimizer states, gradient partitions, parameters and activations (per GPU; node: x 8).",
         f"Computed on {describe_machine()} (a prediction for GPUs: it does not depend on this machine).",
         "",
         "| model | mode | options (cumulative) | 1 GPU: max tokens | host GiB (1 GPU) "
-        "| 8 GPUs, cp 8: max tokens |",
-        "|---|---|---|---|---|---|",
+        "| 8 GPUs, cp 8: max tokens | host GiB (node) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         host = f"{r['one_gpu_host_gib']:.1f}" if r["one_gpu_host_gib"] else "-"
-        cells = [r["model"], r["mode"], r["options"], _k(r["one_gpu"]), host, _k(r["node_cp8"])]
+        node_host = f"{r['node_host_gib']:.0f}" if r["node_host_gib"] else "-"
+        cells = [r["model"], r["mode"], r["options"], _k(r["one_gpu"]), host, _k(r["node_cp8"]), node_host]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

@@ -16,7 +16,7 @@ from ringft.ops.sharding import zigzag_length_problem, zigzag_padded_length
 from ringft.planner.recipe_out import recipe_text, write_recipe
 from ringft.planner.report import format_layouts, format_plan
 from ringft.planner.search import Fix, fixes_that_fit, max_seq_len_that_fits, plan_layouts, recommend
-from ringft.planner.setup import ATTN_BACKENDS, GIB, PLANNED_DTYPES, divisors
+from ringft.planner.setup import ATTENTION_CHECKPOINTS, ATTN_BACKENDS, GIB, PLANNED_DTYPES, divisors
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, PRESETS, load_model_shape
 from ringft.planner.timing_report import add_time_arguments, hardware_from_args, time_section
 
@@ -96,6 +96,25 @@ def _parser() -> argparse.ArgumentParser:
         help="RMSNorms in tiles of this many tokens (recipe train.tiled_norm_tokens; not under DeepSpeed)",
     )
     p.add_argument(
+        "--fused-rmsnorm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the RMSNorms' fused backward (recipe train.fused_rmsnorm, default on)",
+    )
+    p.add_argument(
+        "--attention-tile-tokens",
+        type=tokens_arg,
+        default=None,
+        help="attention backward transients per tile of N tokens (recipe train.attention_tile_tokens)",
+    )
+    p.add_argument(
+        "--attention-checkpoint",
+        choices=ATTENTION_CHECKPOINTS,
+        default="recompute",
+        help="per layer: recompute the attention forward in the backward, save its output + lse on the GPU, "
+        "or offload them to host memory (recipe train.attention_checkpoint)",
+    )
+    p.add_argument(
         "--attn-backend",
         choices=BACKENDS,
         default="flash_attn",
@@ -121,6 +140,7 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
         ("--loss-chunk-size", args.loss_chunk_size),
         ("--tiled-mlp-tokens", args.tiled_mlp_tokens),
         ("--tiled-norm-tokens", args.tiled_norm_tokens),
+        ("--attention-tile-tokens", args.attention_tile_tokens),
         ("--ulysses-size", args.ulysses_size),
     ]
     out = values.problems(
@@ -180,6 +200,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "tiled_mlp": args.tiled_mlp or args.tiled_mlp_tokens is not None,
         "tiled_mlp_tokens": args.tiled_mlp_tokens,
         "tiled_norm_tokens": args.tiled_norm_tokens,
+        "fused_rmsnorm": args.fused_rmsnorm,
+        "attention_tile_tokens": args.attention_tile_tokens,
+        "attention_checkpoint": args.attention_checkpoint,
         "attn_backend": _PLANNED_BACKEND.get(args.attn_backend, args.attn_backend),
         "overhead_gib": args.overhead_gib,
         "ulysses_size": args.ulysses_size,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from ringft.ops.ulysses import kv_replication
 from ringft.planner.setup import TrainingSetup
 from ringft.planner.shapes import ModelShape
+from ringft.planner.states import model_states
 
 __all__ = [
     "attention_kernel",
@@ -22,67 +23,6 @@ __all__ = [
     "loss_working_set",
     "model_states",
 ]
-
-
-def model_states(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
-    """Weights, grads, optimizer, ZeRO-3 gather buffers and CPU-offloaded bytes per rank.
-
-    With ``P`` parameters, ``N = num_gpus`` and bytes per parameter ``(w, g, o)`` =
-    ``(2, 2, 12)`` (bf16 + fp32 master + Adam), ``(4, 4, 8)`` (fp32) or ``(2, 2, 4)``
-    (bf16 without master weights):
-
-    - full FT: weights ``w*P`` (``/N`` at ZeRO-3), grads ``g*P`` (``/N`` at ZeRO >= 2),
-      optimizer ``o*P`` (``/N`` at ZeRO >= 1);
-    - LoRA: frozen base ``w*P`` (``/N`` at ZeRO-3) and, for the ``P_lora`` adapter parameters,
-      ``4 + 4 + 8`` B (fp32 adapters, peft's default; else ``(w, g, o)``), sharded the same way;
-    - ZeRO-3 gather: ``(1 + prefetch)`` gathered copies of the largest unit (a decoder layer or the
-      ``V x h`` lm_head/embedding) in the weight dtype, plus one unit of full-size grads (full FT)
-      before the reduce-scatter;
-    - ``offload_optimizer`` moves the optimizer states (incl. master weights) to CPU memory;
-      ``offload_params`` (ZeRO-3) keeps only the gather buffers on the GPU.
-    """
-    n = s.num_gpus
-    wbytes = s.act_bytes
-    if s.dtype == "fp32":
-        gbytes, obytes = 4, 8
-    else:
-        gbytes, obytes = 2, (12 if s.master_weights else 4)
-    p_total = m.total_params
-    shard_w = n if s.zero_stage >= 3 else 1
-    shard_g = n if s.zero_stage >= 2 else 1
-    shard_o = n if s.zero_stage >= 1 else 1
-    if s.lora:
-        p_lora = m.lora_params(s.lora_rank, s.lora_targets)
-        trainable = p_lora
-        lw, lg, lo = (4, 4, 8) if (s.lora_fp32_adapters or s.dtype == "fp32") else (wbytes, gbytes, obytes)
-        weights = wbytes * p_total // shard_w + lw * p_lora // shard_w
-        grads = lg * p_lora // shard_g
-        optimizer = lo * p_lora // shard_o
-    else:
-        trainable = p_total
-        weights = wbytes * p_total // shard_w
-        grads = gbytes * p_total // shard_g
-        optimizer = obytes * p_total // shard_o
-    gather = 0
-    if s.zero_stage >= 3:
-        unit = max(m.layer_params, m.embedding_params)
-        gather = (1 + s.zero3_prefetch_layers) * unit * wbytes + (0 if s.lora else unit * gbytes)
-    cpu = 0
-    if s.offload_optimizer:
-        cpu += optimizer
-        optimizer = 0
-    if s.offload_params:
-        cpu += weights
-        weights = 0
-    return {
-        "params_total": p_total + (m.lora_params(s.lora_rank, s.lora_targets) if s.lora else 0),
-        "params_trainable": trainable,
-        "weights": weights,
-        "grads": grads,
-        "optimizer": optimizer,
-        "zero3_gather": gather,
-        "cpu": cpu,
-    }
 
 
 def kv_heads_sent(m: ModelShape, s: TrainingSetup) -> int:
@@ -124,6 +64,8 @@ def _qk_norm_saved(m: ModelShape, s: TrainingSetup) -> int:
         return 0
     width = (m.heads + m.kv_heads) * m.head_dim
     rows = m.heads + m.kv_heads if m.qk_norm == "head" else 2
+    if s.fused_rmsnorm:  # the fused norm keeps its input and one rstd per row
+        return s.act_bytes * width + 4 * rows
     return 4 * width + 4 * rows + (s.act_bytes * width if not s.lora else 0)
 
 
@@ -133,6 +75,8 @@ def _extra_norms_saved(m: ModelShape, s: TrainingSetup) -> int:
     else), ``rsqrt`` (4 B), the fp32 normalised value ``4*h`` if the weight trains (Gemma's norm
     multiplies in fp32)."""
     extra = max(m.norms - 2, 0)
+    if s.fused_rmsnorm:  # its input (o_proj / down_proj output) and rstd
+        return extra * (s.act_bytes * m.hidden + 4)
     return extra * (4 * m.hidden + 4 + (4 * m.hidden if not s.lora else 0))
 
 
@@ -158,7 +102,9 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
 
     Tiled norms (``tiled_norm_tokens``, :mod:`ringft.model.tiled_norm`): each norm keeps views of
     its input ``a*h`` (counted even where the input is kept anyway: conservative) instead of the
-    fp32 copy, ``rsqrt`` and normalised value.
+    fp32 copy, ``rsqrt`` and normalised value. The fused norm (``fused_rmsnorm``,
+    :mod:`ringft.model.fused_rmsnorm`): each norm keeps its input ``a*h`` (counted as for tiles)
+    and an fp32 ``rstd`` (4 B); q/k and extra norms likewise.
 
     Full fine-tuning in bf16 gives ``T*(16*h + 2*(2*nh + 2*nkv)*d + 4*nh + 8*i + 8)``.
     """
@@ -172,13 +118,15 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     norm1 = (4 * h if a != 4 else 0) + 4 + norm_y + (a * h if n1_kept else 0)
     if s.tiled_norm_tokens:  # views of the input instead of the fp32 copy, rsqrt, normalised value
         norm1 = a * h + (a * h if n1_kept else 0)
+    elif s.fused_rmsnorm:  # its input and rstd
+        norm1 = a * h + 4 + (a * h if n1_kept else 0)
     attention = a * (2 * q + 2 * kv) + 4 * m.heads
     if s.ulysses_size > 1:
         attention = a * (3 * q + 2 * kv_heads_sent(m, s) * d) + 4 * m.heads
     attention += _qk_norm_saved(m, s) + _extra_norms_saved(m, s)
     lora_attn += _linear_inputs(s, m.projections("o"), q, r)[1]  # the attention output is kept anyway
     n2_kept, lora_mlp = _linear_inputs(s, m.projections("gate_up"), h, r)
-    norm2_own = a * h if s.tiled_norm_tokens else 4 * h + 4 + norm_y
+    norm2_own = a * h if s.tiled_norm_tokens else (a * h + 4 if s.fused_rmsnorm else 4 * h + 4 + norm_y)
     if s.tiled_mlp:
         norm2 = norm2_own + a * h
         mlp, lora_mlp = 0, 0
@@ -209,14 +157,18 @@ def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
     ``nkv < nh`` (flash-attention 2 expands them, ``+2*a*T*nh*d``); an fp32 dq workspace
     ``4*T*nh*d``; the output grad ``a*T*nh*d``; with ``attn_backend="torch"`` on CUDA (no
     native GQA) K/V are expanded to ``nh`` heads as well, ``+2*a*T*nh*d``.
+
+    Attention tiles (``attention_tile_tokens = N``): the expanded dK/dV, the fp32 dq workspace and
+    the torch backend's expanded K/V exist for one tile of ``min(N, T)`` tokens at a time; dq, dk,
+    dv of the local block and the output grad stay ``T``-sized.
     """
     a, t = s.act_bytes, s.tokens
     q, kv = m.heads * m.head_dim, kv_heads_sent(m, s) * m.head_dim  # (U > 1: per head shard, same total)
     gqa = kv < q
-    kernel = a * q + 2 * a * kv + (2 * a * q if gqa else 0) + 4 * q + a * q
-    if gqa and s.attn_backend == "torch":
-        kernel += 2 * a * q
-    return t * kernel
+    local = a * q + 2 * a * kv + a * q  # dq, dk, dv, the output grad
+    transient = (2 * a * q if gqa else 0) + 4 * q + (2 * a * q if gqa and s.attn_backend == "torch" else 0)
+    tile = min(t, s.attention_tile_tokens) if s.attention_tile_tokens else t
+    return t * local + tile * transient
 
 
 # The RMSNorm backward (transformers' Llama-style norm, ``w * (x32 * rsqrt(mean(x32**2) + eps))``)
@@ -224,6 +176,12 @@ def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
 # the variance path), the mean's expanded grad and pow's ``x**1``, ``2*x`` and ``grad * 2x``. Counted
 # on CPU (torch 2.13, bf16 and fp32 alike) and on the GPU (H200, torch 2.11: five 2 GiB blocks at 128K).
 RMSNORM_BACKWARD_TEMPS = 5
+# The fused norm's backward (ringft.model.fused_rmsnorm) works on row chunks of FUSED_NORM_CHUNK
+# (its CHUNK_ROWS) tokens and holds FUSED_NORM_TEMPS fp32 (chunk, h) temporaries at its largest
+# (the chunk's x_hat, u and their product), besides its output dx (a*T*h). Measured on CPU
+# (benchmarks/bench_tiled_norm.py: 3.0 chunks at T = 16K and 64K, h = 1024).
+FUSED_NORM_CHUNK = 4096
+FUSED_NORM_TEMPS = 3
 # A tiled norm's backward (ringft.model.tiled_norm): the tiles' input grads and their cat, plus two
 # more a*T*h that the CPU measurement shows (benchmarks/bench_tiled_norm.py); conservative on GPUs
 # until measured there.
@@ -271,6 +229,11 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
     measurement shows, :data:`TILED_NORM_GRADS` ``*a*T*h`` (in the norm phase, and in the attention
     phase's gradient flow for the first norm), and the second norm keeps ``a*T*h`` of input views
     instead of ``(4*h + 4)*T``. (Measured on CPU for one norm; not yet on a GPU.)
+
+    The fused norm (``fused_rmsnorm``, untiled): a norm's backward holds its input grad ``a*T*h``
+    and :data:`FUSED_NORM_TEMPS` fp32 ``(c, h)`` temporaries, ``c = min(T, FUSED_NORM_CHUNK)``, in
+    the norm phase and in the attention phase's gradient flow; the second norm keeps
+    ``(a*h + 4)*T``. (Measured on CPU for one norm, benchmarks/bench_tiled_norm.py.)
     """
     a = s.act_bytes
     t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
@@ -295,10 +258,14 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
         tile = min(t, s.tiled_norm_tokens)
         norm_backward = tile * ((RMSNORM_BACKWARD_TEMPS + 1) * 4 * h + 4) + TILED_NORM_GRADS * a * t * h
         norm_own = a * t * h  # the second norm's saved input views
+    elif s.fused_rmsnorm:
+        # its input grad dx and one row chunk's fp32 temporaries; it keeps its input and rstd
+        norm_backward = a * t * h + FUSED_NORM_TEMPS * 4 * min(t, FUSED_NORM_CHUNK) * h
+        norm_own = t * (a * h + 4)
     else:
         norm_backward = RMSNORM_BACKWARD_TEMPS * 4 * t * h
         norm_own = t * (4 * h + 4)
-    grad_flow = 2 * a * t * h + (norm_backward if s.tiled_norm_tokens else 4 * t * h)
+    grad_flow = 2 * a * t * h + (norm_backward if s.tiled_norm_tokens or s.fused_rmsnorm else 4 * t * h)
     mlp_phase = sum(saved.values()) + mlp_extra + a * t * h
     attn_saved = saved["norm1"] + saved["attention"] + saved["lora_attn"]
     attn_phase = attn_saved + max(kernel + ring, all_to_all) + grad_flow
@@ -343,6 +310,8 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     final_norm = t * (4 * h + 4 + (a * h if trains else 0) + (a * h if keep_out else 0))
     if s.tiled_norm_tokens:  # views of its input instead of the fp32 copy, rsqrt, normalised value
         final_norm = t * (a * h + (a * h if keep_out else 0))
+    elif s.fused_rmsnorm:  # its input and rstd
+        final_norm = t * (a * h + 4 + (a * h if keep_out else 0))
     if not s.chunked_loss:
         return {"final_norm": final_norm, "logits": 12 * t * v}
     c = min(s.loss_chunk_size, t)
@@ -372,7 +341,12 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
       being recomputed (``unpack_from_cpu``, another ``a*T*h``) is freed once the recompute is
       done, before the backward's peak (full fine-tuning: that input is what the term covers);
     - no checkpointing: every layer's saved tensors (:func:`layer_saved`) plus its input;
-    - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers).
+    - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers);
+    - ``attention_checkpoint="save"``: each layer's attention output and lse, ``T*(a*nh*d + 4*nh)``,
+      kept from the forward for the backward (no attention forward in the recompute): ``L - 1``
+      layers' worth besides the layer in its backward (whose tensors the working set counts);
+      ``"offload"``: those ``L - 1`` in host memory and one layer's worth on the GPU (the copy
+      staged in or out).
 
     (The final norm's tensors are counted with the loss: they are freed before any layer's
     backward.)
@@ -387,4 +361,16 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
     if s.offload_activations and s.gradient_checkpointing:
         on_gpu = per_layer
         cpu, layers = layers - on_gpu, on_gpu
-    return {"layers": layers, "rope": 2 * a * t * m.head_dim, "cpu": cpu}
+    attn = t * (a * m.heads * m.head_dim + 4 * m.heads)
+    saves, cpu_attention = 0, 0
+    if s.attention_checkpoint == "save":
+        saves = (m.layers - 1) * attn
+    elif s.attention_checkpoint == "offload":
+        saves, cpu_attention = attn, (m.layers - 1) * attn
+    return {
+        "layers": layers,
+        "rope": 2 * a * t * m.head_dim,
+        "attention_saves": saves,
+        "cpu": cpu,
+        "cpu_attention": cpu_attention,
+    }

@@ -103,7 +103,15 @@ def build_plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     details = {f"layer_saved.{k}": v for k, v in saved.items()}
     details.update({f"layer_ws.{k}": v for k, v in work.items()})
     details.update({f"loss.{k}": v for k, v in loss.items()})
-    details.update({f"checkpointed.{k}": v for k, v in ckpt.items() if k != "cpu"})
+    details.update({f"checkpointed.{k}": v for k, v in ckpt.items() if not k.startswith("cpu")})
+    host = {
+        "optimizer": states["cpu_optimizer"],
+        "grads": states["cpu_grads"],
+        "weights": states["cpu_weights"],
+        "activations": ckpt["cpu"],
+        "attention": ckpt["cpu_attention"],
+    }
+    details.update({f"host.{k}": v for k, v in host.items()})
     return MemoryPlan(
         model=shape,
         setup=setup,
@@ -113,10 +121,10 @@ def build_plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
         grads=states["grads"],
         optimizer=states["optimizer"],
         zero3_gather=states["zero3_gather"],
-        checkpointed_activations=ckpt["layers"] + ckpt["rope"],
+        checkpointed_activations=ckpt["layers"] + ckpt["rope"] + ckpt["attention_saves"],
         layer_working_set=layer_ws,
         loss_working_set=sum(loss.values()),
         overhead=int(setup.overhead_gib * GIB),
-        cpu_offloaded=states["cpu"] + ckpt["cpu"],
+        cpu_offloaded=sum(host.values()),
         details=details,
     )

@@ -36,6 +36,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{s.seq_local} tokens/rank x micro-batch {s.micro_batch_size}; {s.dtype}, {mode}, "
         f"ZeRO-{s.zero_stage}, offload {s.offloads}, {loss}, "
         f"{f'tiled MLP ({s.tiled_mlp_tokens or m.hidden} tokens/tile), ' if s.tiled_mlp else ''}"
+        f"{'fused' if s.fused_rmsnorm else 'autograd'} RMSNorm backward"
+        f"{f' ({s.tiled_norm_tokens} tokens/tile)' if s.tiled_norm_tokens else ''}, "
+        f"{f'attention tiles of {s.attention_tile_tokens} tokens, ' if s.attention_tile_tokens else ''}"
+        f"attention {s.attention_checkpoint}, "
         f"{'per-layer checkpointing' if s.gradient_checkpointing else 'no checkpointing'}",
         "",
         f"{'per rank':<34}{'GiB':>10}",
@@ -51,9 +55,12 @@ def format_plan(plan: MemoryPlan) -> str:
         f"   of {s.gpu_mem_gib:g} GiB -> {'FITS' if plan.fits else 'DOES NOT FIT'}"
         f" ({'+' if plan.headroom >= 0 else '-'}{_gib(abs(plan.headroom))} GiB)",
     ]
-    if plan.cpu_offloaded:
-        lines.append(f"{'  offloaded to CPU memory':<34}{_gib(plan.cpu_offloaded):>10}")
     d = plan.details
+    parts = [(k.split(".", 1)[1], v) for k, v in d.items() if k.startswith("host.") and v]
+    lines.append(
+        f"{'host memory (CPU RAM) per GPU':<34}{_gib(plan.cpu_offloaded):>10}"
+        + (" (" + ", ".join(f"{k} {_gib(v)}" for k, v in parts) + " GiB)" if parts else "")
+    )
     lines += [
         "",
         "layer working set: MLP phase {} GiB, norm phase {} GiB, attention phase {} GiB "

@@ -17,11 +17,12 @@ from ringft.ops.dtypes import DTYPES, dtype_from_name
 from ringft.ops.sharding import zigzag_length_problem
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, ModelShape
 
-__all__ = ["GIB", "PLANNED_DTYPES", "ATTN_BACKENDS", "MemoryPlan", "TrainingSetup"]
+__all__ = ["GIB", "PLANNED_DTYPES", "ATTN_BACKENDS", "ATTENTION_CHECKPOINTS", "MemoryPlan", "TrainingSetup"]
 
 GIB = 1 << 30
 PLANNED_DTYPES = ("bf16", "fp32")  # bf16 = mixed precision (bf16 compute), fp32 = plain fp32
 ATTN_BACKENDS = ("flash_attn", "torch")
+ATTENTION_CHECKPOINTS = ("recompute", "save", "offload")  # train.attention_checkpoint
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class TrainingSetup:
     zero3_prefetch_layers: int = 1
     overhead_gib: float = 3.0
     ulysses_size: int = 1  # 2D context parallelism: cp_size = ulysses_size x ring size
+    fused_rmsnorm: bool = True  # train.fused_rmsnorm: the RMSNorms' fused backward
+    attention_tile_tokens: int | None = None  # train.attention_tile_tokens: attention transients per tile
+    attention_checkpoint: str = "recompute"  # train.attention_checkpoint: recompute | save | offload
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -90,6 +94,15 @@ class TrainingSetup:
             partial(values.as_number, "gpu_mem_gib", self.gpu_mem_gib, gt=0, fix="GiB per GPU, e.g. 79.6"),
             partial(values.as_integer, "tiled_mlp_tokens", self.tiled_mlp_tokens, 1, optional=True),
             partial(values.as_integer, "tiled_norm_tokens", self.tiled_norm_tokens, 1, optional=True),
+            partial(values.as_integer, "attention_tile_tokens", self.attention_tile_tokens, 1, optional=True),
+            partial(
+                values.as_choice,
+                "attention_checkpoint",
+                self.attention_checkpoint,
+                ATTENTION_CHECKPOINTS,
+                fix="recompute (default), save (attention output + lse kept on the GPU) or offload "
+                "(in host memory)",
+            ),
             partial(values.as_integer, "zero3_prefetch_layers", self.zero3_prefetch_layers, 0),
             partial(values.as_number, "overhead_gib", self.overhead_gib, 0),
             partial(
@@ -148,6 +161,7 @@ class TrainingSetup:
             ("opt", self.offload_optimizer),
             ("param", self.offload_params),
             ("act", self.offload_activations),
+            ("attn", self.attention_checkpoint == "offload"),
         ]
         return "+".join(n for n, on in names if on) or "-"
 

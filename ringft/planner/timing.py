@@ -24,7 +24,18 @@ micro-batch ``B``, ``H`` query / ``H_kv`` K/V heads of dim ``d``, ``a`` bytes pe
   inter-node bandwidth (one NIC per GPU), the slowest link setting every synchronous step.
 - **linear layers**: ``6 B (S/cp) P_layer`` FLOP (full fine-tuning) at ``matmul_tflops``, the LM
   head ``6 B (S/cp) V h``; identical for every layout of one ``cp``. With gradient checkpointing the
-  layer's forward (communication included) runs twice.
+  layer's forward (communication included) runs twice. LoRA: the frozen weights get no weight
+  gradient, ``4`` instead of ``6`` (the adapters' rank-``r`` products are not counted); the tiled
+  MLP recomputes the MLP's forward once more in its backward.
+- **attention checkpoint** (``save`` / ``offload``): the recompute skips the attention forward
+  (one attention forward per layer less; the offload's host copies are assumed hidden).
+- **memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, casts, LoRA's fp32 input copies):
+  ``token_layer_us`` per token and layer for the whole step, fitted to the recorded 32K H100 LoRA
+  step (7.13 s); the recorded 128K step (59.5 s, tiled MLP) is then predicted within 10 %
+  (``tests/planner/test_timing.py``).
+- **attention rate**: ``attn_tflops`` defaults to the ``cudnn`` block kernel's, which the
+  ``auto`` backend picks on Hopper (541 TFLOP/s measured at 128K on an H100); the ``torch``
+  kernel's fit is :data:`TORCH_ATTN_TFLOPS`.
 
 Validated: the attention compute against the recorded H100 figures (one GPU, emulated ring).
 **Unvalidated until a multi-GPU run**: every communication term (bandwidths, latencies, overlap),
@@ -43,6 +54,8 @@ from ringft.planner.shapes import ModelShape
 
 __all__ = [
     "H100_ATTENTION",
+    "H100_STEPS",
+    "TORCH_ATTN_TFLOPS",
     "Hardware",
     "LayerTraffic",
     "StepTime",
@@ -67,6 +80,16 @@ H100_ATTENTION: tuple[tuple[int, int, float], ...] = (
 )
 
 
+#: The ``torch`` block kernel's fitted rate (H100_ATTENTION: every point within 2 %).
+TORCH_ATTN_TFLOPS = 320.0
+
+#: Recorded H100 ``ringft train`` steps (benchmarks/RESULTS.md, "`ringft train` end to end,
+#: Llama-3-8B shape, one H100"): Llama-3-8B, one GPU, LoRA r16 on the 7 projections, checkpointing,
+#: chunked loss, ``cudnn`` attention: ``(S, tiled MLP tokens or 0, seconds per step)`` from the
+#: recorded tokens/s (4598 at 32K, 2204 at 128K).
+H100_STEPS: tuple[tuple[int, int, float], ...] = ((32768, 0, 32768 / 4598), (131072, 4096, 131072 / 2204))
+
+
 @dataclass(frozen=True)
 class Hardware:
     """GPU and interconnect parameters; defaults: H100 SXM, 8 GPUs per node, one NIC per GPU.
@@ -74,7 +97,7 @@ class Hardware:
     Bandwidths in GB/s (1e9 bytes/s) per GPU and direction, latencies in seconds per message.
     """
 
-    attn_tflops: float = 320.0  # fitted to H100_ATTENTION (fwd+bwd, large blocks)
+    attn_tflops: float = 541.0  # the cudnn kernel (auto on Hopper), fwd+bwd at 128K on an H100
     attn_c0: float = 977.0  # key length at which a call spends as long on overhead as on FLOPs
     attn_alpha: float = 1.22
     sms: int = 132  # streaming multiprocessors (H100 SXM)
@@ -84,6 +107,7 @@ class Hardware:
     ib_gbps: float = 40.0  # assumed: 400 Gb/s NDR per GPU = 50 GB/s nominal, 80 % of it
     nvlink_latency: float = 10e-6  # assumed
     ib_latency: float = 20e-6  # assumed
+    token_layer_us: float = 1.78  # memory-bound kernels per token and layer, step total (32K LoRA fit)
 
 
 @dataclass(frozen=True)
@@ -118,6 +142,7 @@ class StepTime:
     linear: float  # projections, MLP and LM head, whole step
     kv_copies: int
     traffic: LayerTraffic
+    elementwise: float = 0.0  # memory-bound kernels (token_layer_us), whole step
     links: dict[str, str] = field(default_factory=dict)  # "ring"/"ulysses" -> "NVLink"/"InfiniBand"
 
     @property
@@ -234,9 +259,16 @@ def step_time(
     batch: int = 1,
     dtype_bytes: int = 2,
     gradient_checkpointing: bool = True,
+    lora: bool = False,
+    tiled_mlp: bool = False,
+    attention_checkpoint: str = "recompute",
 ) -> StepTime:
     """Predicted seconds of one micro-step (forward + backward) of ``shape`` at ``seq_len`` tokens on
-    ``num_gpus`` GPUs, CP groups of ``ulysses x ring`` ranks (``num_gpus`` a multiple of it)."""
+    ``num_gpus`` GPUs, CP groups of ``ulysses x ring`` ranks (``num_gpus`` a multiple of it).
+
+    ``lora``: no weight gradients of the frozen projections and LM head; ``tiled_mlp``: the MLP's
+    forward once more; ``attention_checkpoint`` ``save`` / ``offload``: no attention forward in the
+    recompute."""
     hw = hw or Hardware()
     u, r, cp = ulysses, ring, ulysses * ring
     problem = heads_problem(shape.heads, u, cp)
@@ -257,21 +289,29 @@ def step_time(
     a2a_f, a2a_b = sum(t for t, _ in a2a[:2]), sum(t for t, _ in a2a[2:])
     tokens = batch * seq_len // cp
     lin_f = 2.0 * tokens * shape.layer_params / (hw.matmul_tflops * 1e12)
+    mlp = ("gate_up_proj", "down_proj", "gate_proj", "up_proj")
+    mlp_f = 2.0 * tokens * sum(a * b for n, (a, b) in shape.linear_shapes().items() if n in mlp)
+    mlp_f /= hw.matmul_tflops * 1e12
     passes = 2 if gradient_checkpointing else 1  # forward passes per step
-    layer = passes * (lin_f + a2a_f + ring_f) + 2 * lin_f + a2a_b + ring_b
-    head = 6.0 * tokens * shape.vocab * shape.hidden / (hw.matmul_tflops * 1e12)
+    attn_passes = 1 if attention_checkpoint in ("save", "offload") else passes
+    bwd_units = 1 if lora else 2  # input grads (+ weight grads)
+    lin_step = (passes + bwd_units) * lin_f + (mlp_f if tiled_mlp else 0.0)
+    layer = lin_step + passes * a2a_f + attn_passes * ring_f + a2a_b + ring_b
+    head = (4.0 if lora else 6.0) * tokens * shape.vocab * shape.hidden / (hw.matmul_tflops * 1e12)
     L = shape.layers
-    ideal = L * (passes * fwd_flops + bwd_flops) / peak
-    compute = L * r * (passes * c_f + c_b)
+    elementwise = L * tokens * hw.token_layer_us * 1e-6
+    ideal = L * (attn_passes * fwd_flops + bwd_flops) / peak
+    compute = L * r * (attn_passes * c_f + c_b)
     return StepTime(
         ulysses=u,
         ring=r,
-        seconds=L * layer + head,
+        seconds=L * layer + head + elementwise,
         attention_ideal=ideal,
         attention_inefficiency=compute - ideal,
-        ring_exposed=L * (passes * ring_f + ring_b) - compute,
+        ring_exposed=L * (attn_passes * ring_f + ring_b) - compute,
         all_to_all=L * (passes * a2a_f + a2a_b),
-        linear=L * (passes + 2) * lin_f + head,
+        linear=L * lin_step + head,
+        elementwise=elementwise,
         kv_copies=kv_replication(shape.kv_heads, u),
         traffic=traffic,
         links={

@@ -32,9 +32,15 @@ def add_time_arguments(p: argparse.ArgumentParser) -> None:
         "--attn-tflops",
         type=float,
         default=_HW.attn_tflops,
-        help="fused causal attention fwd+bwd TFLOP/s for large blocks (H100 fit: 320)",
+        help="fused causal attention fwd+bwd TFLOP/s for large blocks (H100: cudnn 541, torch 320)",
     )
     g.add_argument("--matmul-tflops", type=float, default=_HW.matmul_tflops, help="GEMM TFLOP/s (H100: 500)")
+    g.add_argument(
+        "--token-layer-us",
+        type=float,
+        default=_HW.token_layer_us,
+        help="memory-bound kernels per token and layer, microseconds per step (H100 fit: 1.78)",
+    )
     g.add_argument("--nvlink-gbps", type=float, default=_HW.nvlink_gbps, help="intra-node GB/s per GPU")
     g.add_argument("--ib-gbps", type=float, default=_HW.ib_gbps, help="inter-node GB/s per GPU (its NIC)")
     g.add_argument("--nvlink-latency-us", type=float, default=_HW.nvlink_latency * 1e6)
@@ -47,6 +53,7 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
         "--gpus-per-node": args.gpus_per_node,
         "--attn-tflops": args.attn_tflops,
         "--matmul-tflops": args.matmul_tflops,
+        "--token-layer-us": args.token_layer_us,
         "--nvlink-gbps": args.nvlink_gbps,
         "--ib-gbps": args.ib_gbps,
     }
@@ -59,6 +66,7 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
         gpus_per_node=args.gpus_per_node,
         attn_tflops=args.attn_tflops,
         matmul_tflops=args.matmul_tflops,
+        token_layer_us=args.token_layer_us,
         nvlink_gbps=args.nvlink_gbps,
         ib_gbps=args.ib_gbps,
         nvlink_latency=args.nvlink_latency_us * 1e-6,
@@ -179,7 +187,13 @@ def time_section(shape: ModelShape, seq_len: int, num_gpus: int, cps: list[int],
     """``ringft plan --time``'s text and JSON rows for each CP size in ``cps``."""
     hw = hardware_from_args(args)
     texts, rows = [], []
-    options = dict(batch=args.micro_batch_size, gradient_checkpointing=args.gradient_checkpointing)
+    options = dict(
+        batch=args.micro_batch_size,
+        gradient_checkpointing=args.gradient_checkpointing,
+        lora=args.lora,
+        tiled_mlp=bool(args.tiled_mlp or args.tiled_mlp_tokens),
+        attention_checkpoint=args.attention_checkpoint,
+    )
     options["dtype_bytes"] = 4 if args.dtype == "fp32" else 2
     for cp in cps:
         times = compare_layouts(shape, seq_len, num_gpus, cp, ulysses_sizes=args.ulysses, hw=hw, **options)

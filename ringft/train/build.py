@@ -180,7 +180,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.Module:
-    """Checkpointing, the ring, the tiled MLP and norms, and LoRA, in that order; returns the model.
+    """Checkpointing, the ring, the tiled MLP, the fused and tiled norms, and LoRA, in that order;
+    returns the model.
 
     ``cp_group``: the CP process group, or the run's layout (``build_hybrid_layout``: with
     ``parallel.ulysses_size > 1`` the attention runs Ulysses x ring)."""
@@ -196,6 +197,10 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
         from ringft.model.tiled_mlp import enable_tiled_mlp
 
         enable_tiled_mlp(model, tile_tokens=t.tiled_mlp_tokens)
+    if t.fused_rmsnorm:  # before the tiled norm, which then tiles the fused forward
+        from ringft.model.fused_rmsnorm import enable_fused_rmsnorm
+
+        enable_fused_rmsnorm(model)
     if t.tiled_norm_tokens:
         from ringft.model.tiled_norm import enable_tiled_norm
 

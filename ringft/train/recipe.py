@@ -214,6 +214,7 @@ class TrainConfig(Section):
     tiled_mlp_tokens: int | None = integer(None, lo=1, optional=True)  # MLP in tiles of this many tokens
     tiled_norm_tokens: int | None = integer(None, lo=1, optional=True)  # RMSNorms in tiles (not DeepSpeed)
     attention_tile_tokens: int | None = integer(None, lo=1, optional=True)  # attention kernels in tiles
+    fused_rmsnorm: bool = boolean(True)  # RMSNorms with the fused backward (ringft.model.fused_rmsnorm)
     chunked_loss: bool = boolean(True)  # LM head + cross-entropy in token chunks
     loss_chunk_size: int = integer(4096, lo=1)
     seed: int = integer(0, lo=0)

@@ -59,7 +59,7 @@ def test_tiny_config_parameter_counts():
 
 def test_tiny_config_full_plan_by_hand():
     # S = 64 over cp = 2 -> T = 32 tokens per rank; bf16 (a = 2); h=8, i=16, d=4, nh=2, nkv=1
-    plan = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0)
+    plan = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, fused_rmsnorm=False)
     assert (plan.weights, plan.grads, plan.optimizer, plan.zero3_gather) == (2 * 1704, 2 * 1704, 12 * 1704, 0)
     d = plan.details
     # norm1 per token: fp32 input 4h + rsqrt 4 + normalised a*h + output a*h = 32 + 4 + 16 + 16
@@ -85,7 +85,9 @@ def test_tiny_config_full_plan_by_hand():
     assert plan.loss_working_set == 2176 + 8192
     assert plan.total == 16 * 1704 + 1536 + 13696  # states + checkpointed + max(working sets)
 
-    unchunked = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, chunked_loss=False)
+    unchunked = plan_memory(
+        TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, fused_rmsnorm=False, chunked_loss=False
+    )
     assert unchunked.loss_working_set == 2176 + 12 * 32 * 32
     assert unchunked.total == 16 * 1704 + 1536 + 2176 + 12 * 32 * 32
 
@@ -94,18 +96,25 @@ def test_hybrid_plan_by_hand():
     """Ulysses x ring (``ulysses_size``): ulysses 1 is the ring's plan exactly; ulysses 2 on TINY
     (nh 2, nkv 1: each K/V head sent twice, nkv' = 2) keeps the head shards and o_proj's copy of the
     output, and holds the backward all-to-all's four buffers; the ring buffers exist with ring > 1."""
-    ring = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0)
+    ring = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, fused_rmsnorm=False)
     assert (
-        plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, ulysses_size=1).as_dict() == ring.as_dict()
+        plan_memory(
+            TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, fused_rmsnorm=False, ulysses_size=1
+        ).as_dict()
+        == ring.as_dict()
     )
-    plan = plan_memory(TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, ulysses_size=2)  # T = 32, a = 2
+    plan = plan_memory(
+        TINY, 64, 2, 1.0, cp_size=2, overhead_gib=0, fused_rmsnorm=False, ulysses_size=2
+    )  # T = 32, a = 2
     d = plan.details
     assert d["layer_saved.attention"] == 32 * (2 * (3 * 8 + 2 * 2 * 4) + 4 * 2)
     assert d["layer_ws.ring_buffers"] == 0  # ring 1: pure Ulysses
     assert d["layer_ws.attention_kernel"] == 32 * (16 + 2 * 2 * 8 + 4 * 8 + 16)  # no GQA expansion
     assert d["layer_ws.all_to_all_buffers"] == 4 * 2 * 32 * (8 + 2 * 2 * 4) == 6144
     assert d["layer_ws.attention_phase"] == 32 * 68 + 32 * 88 + max(32 * 96, 6144) + 2048
-    both = plan_memory(TINY, 128, 4, 1.0, cp_size=4, overhead_gib=0, ulysses_size=2)  # ring 2, T = 32
+    both = plan_memory(
+        TINY, 128, 4, 1.0, cp_size=4, overhead_gib=0, fused_rmsnorm=False, ulysses_size=2
+    )  # ring 2, T = 32
     assert both.details["layer_ws.ring_buffers"] == 4 * 32 * 8 + 4 * 2 * 32 * 8 + 16 * 32 * 8
     assert "(ulysses 2 x ring 2)" in format_plan(both) and "all-to-all buffers 0.00 GiB" in format_plan(both)
     with pytest.raises(ValueError, match=r"query heads \(32\) are not divisible by ulysses_size=3.*\[1, 2\]"):
@@ -116,16 +125,32 @@ def test_hybrid_plan_by_hand():
 
 
 def test_tiny_config_zero_lora_and_offload_by_hand():
-    z3 = plan_memory(TINY, 64, 4, 1.0, cp_size=2, zero_stage=3, overhead_gib=0)
+    z3 = plan_memory(TINY, 64, 4, 1.0, cp_size=2, zero_stage=3, overhead_gib=0, fused_rmsnorm=False)
     assert (z3.weights, z3.grads, z3.optimizer) == (2 * 1704 // 4, 2 * 1704 // 4, 12 * 1704 // 4)
     # (1 + prefetch) gathered copies of the largest unit (a layer: 592 > V*h = 256) + its grads
     assert z3.zero3_gather == 2 * 592 * 2 + 592 * 2
-    z2 = plan_memory(TINY, 64, 4, 1.0, cp_size=2, zero_stage=2, overhead_gib=0)
+    z2 = plan_memory(TINY, 64, 4, 1.0, cp_size=2, zero_stage=2, overhead_gib=0, fused_rmsnorm=False)
     assert (z2.weights, z2.grads, z2.optimizer, z2.zero3_gather) == (3408, 852, 5112, 0)
-    off = plan_memory(TINY, 64, 4, 1.0, cp_size=2, zero_stage=3, offload_optimizer=True, offload_params=True)
-    assert off.optimizer == 0 and off.weights == 0 and off.cpu_offloaded == 5112 + 852
+    off = plan_memory(
+        TINY,
+        64,
+        4,
+        1.0,
+        cp_size=2,
+        zero_stage=3,
+        offload_optimizer=True,
+        offload_params=True,
+        fused_rmsnorm=False,
+    )
+    # ZeRO-3 optimizer offload: the grad partitions (bf16, 852) and DeepSpeed's fp32 copy (4 * 1704 / 4)
+    # live in host memory too
+    assert off.optimizer == 0 and off.weights == 0 and off.grads == 0
+    assert off.cpu_offloaded == 5112 + 852 + 852 + 1704
+    assert off.details["host.grads"] == 852 + 1704
 
-    lora = plan_memory(TINY, 64, 2, 1.0, cp_size=2, lora=True, lora_rank=2, overhead_gib=0)
+    lora = plan_memory(
+        TINY, 64, 2, 1.0, cp_size=2, lora=True, lora_rank=2, overhead_gib=0, fused_rmsnorm=False
+    )
     assert lora.params_trainable == 224
     assert (lora.weights, lora.grads, lora.optimizer) == (2 * 1704 + 4 * 224, 4 * 224, 8 * 224)
     d = lora.details
@@ -134,7 +159,7 @@ def test_tiny_config_zero_lora_and_offload_by_hand():
     assert d["layer_saved.lora_attn"] == 32 * (3 * 4 * 8 + 4 * 8 + 4 * 4 * 2)
     assert d["layer_saved.mlp"] == 32 * 3 * 2 * 16  # the product is not kept (down_proj frozen)
 
-    fp32 = plan_memory(TINY, 64, 2, 1.0, cp_size=2, dtype="fp32", overhead_gib=0)
+    fp32 = plan_memory(TINY, 64, 2, 1.0, cp_size=2, dtype="fp32", overhead_gib=0, fused_rmsnorm=False)
     assert (fp32.weights, fp32.grads, fp32.optimizer) == (4 * 1704, 4 * 1704, 8 * 1704)
     # fp32: norm1's input is the stored layer input; norm2 keeps its fp32 input itself
     assert fp32.details["layer_saved.norm1"] == 32 * (4 + 4 * 8 + 4 * 8)
@@ -564,3 +589,48 @@ def test_planner_matches_measured_cpu_peak():
 
 if __name__ == "__main__":  # the measuring subprocess of test_planner_matches_measured_cpu_peak
     print(json.dumps(_measure_worker([tuple(r) for r in json.loads(sys.argv[1])])))
+
+
+def test_fused_norm_attention_tiles_and_saves_by_hand():
+    """The terms of train.fused_rmsnorm, attention_tile_tokens and attention_checkpoint, by hand
+    (TINY: h=8, nh=2, nkv=1, d=4, L=2; T = 32, a = 2)."""
+    from ringft.planner.formulas import FUSED_NORM_TEMPS
+
+    base = dict(cp_size=2, overhead_gib=0)
+    plain = plan_memory(TINY, 64, 2, 1.0, fused_rmsnorm=False, **base)
+    fused = plan_memory(TINY, 64, 2, 1.0, **base)
+    d = fused.details
+    # a norm keeps its input a*h and rstd 4 (+ its output a*h, kept by q/k/v): 16 + 4 + 16 per token
+    assert d["layer_saved.norm1"] == 32 * 36 and d["layer_saved.norm2"] == 32 * 36
+    # its backward: dx a*T*h and FUSED_NORM_TEMPS fp32 chunks (T < chunk: T rows)
+    assert d["layer_ws.norm_transients"] == 2 * 32 * 8 + 2 * 32 * 8 + FUSED_NORM_TEMPS * 4 * 32 * 8
+    assert d["layer_ws.norm_transients"] < plain.details["layer_ws.norm_transients"]
+    # attention tiles: only the expanded dK/dV (2*a*q) and the fp32 dq workspace (4*q) shrink
+    tiled = plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=8, **base).details
+    q = 2 * 4
+    assert d["layer_ws.attention_kernel"] - tiled["layer_ws.attention_kernel"] == (32 - 8) * (
+        2 * 2 * q + 4 * q
+    )
+    big = plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=4096, **base).details
+    assert big["layer_ws.attention_kernel"] == d["layer_ws.attention_kernel"]
+    # attention saves: output a*q + lse 4*nh per token and layer; L - 1 layers besides the working set
+    per_layer = 32 * (2 * q + 4 * 2)
+    save = plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="save", **base)
+    assert save.checkpointed_activations - fused.checkpointed_activations == (2 - 1) * per_layer
+    off = plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="offload", **base)
+    assert off.checkpointed_activations - fused.checkpointed_activations == per_layer
+    assert off.cpu_offloaded == off.details["host.attention"] == (2 - 1) * per_layer
+    with pytest.raises(ValueError, match="attention_checkpoint"):
+        plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="keep")
+    with pytest.raises(ValueError, match="attention_tile_tokens"):
+        plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=0)
+
+
+def test_plan_cli_new_flags_and_host_memory(capsys):
+    argv = ["--model", "llama-3-8b", "--seq-len", "65536", "--gpus", "1", "--gpu-mem", "79.6", "--lora"]
+    assert plan_main([*argv, "--attention-tile-tokens", "16384", "--attention-checkpoint", "offload"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory (CPU RAM) per GPU" in out and "attention" in out and "fused RMSNorm backward" in out
+    with pytest.raises(SystemExit):  # argparse's choices
+        plan_main([*argv, "--no-fused-rmsnorm", "--attention-checkpoint", "keep"])
+    assert plan_main([*argv, "--attention-tile-tokens", "0"]) == 2

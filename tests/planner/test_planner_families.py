@@ -61,7 +61,17 @@ def test_lora_counts_with_fused_projections_equal_peft():
     assert shape.lora_params(4, targets) == trainable
     with pytest.raises(ValueError, match="choose from qkv_proj, o_proj, gate_up_proj, down_proj"):
         shape.lora_params(4, ("q_proj",))
-    plan = plan_memory(model.config, 256, 1, 80, lora=True, lora_rank=4, lora_targets=targets, overhead_gib=0)
+    plan = plan_memory(
+        model.config,
+        256,
+        1,
+        80,
+        lora=True,
+        lora_rank=4,
+        lora_targets=targets,
+        overhead_gib=0,
+        fused_rmsnorm=False,
+    )
     assert plan.params_trainable == trainable
 
 
@@ -85,7 +95,7 @@ def test_qk_norm_and_extra_norm_activations_by_hand():
         "head_dim": 8,
         "vocab_size": 64,
     }
-    setup = TrainingSetup(seq_len=64, num_gpus=2, gpu_mem_gib=1.0, cp_size=2)
+    setup = TrainingSetup(seq_len=64, num_gpus=2, gpu_mem_gib=1.0, cp_size=2, fused_rmsnorm=False)
     from ringft.planner.formulas import layer_saved
 
     def attention(model_type):

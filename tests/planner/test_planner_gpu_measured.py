@@ -56,7 +56,9 @@ H100_32_LAYERS = [(16384, 0, 25.63), (32768, 0, 35.77), (65536, 0, 56.05), (1310
 
 
 def _plan(model, seq: int, **options):
-    return plan_memory(model, seq, 1, 79.6, cp_size=1, **options)
+    return plan_memory(
+        model, seq, 1, 79.6, cp_size=1, fused_rmsnorm=False, **options
+    )  # measured: autograd's norm
 
 
 @pytest.mark.parametrize("seq, measured, exact", H200_2_LAYERS)

@@ -48,6 +48,7 @@ BAD_VALUES = [
     ("train", "tiled_norm_tokens", 0, ["train.tiled_norm_tokens", ">= 1"]),
     ("train", "attention_tile_tokens", 0, ["train.attention_tile_tokens", ">= 1", "got 0"]),
     ("train", "attention_tile_tokens", 512.0, ["train.attention_tile_tokens", "integer"]),
+    ("train", "fused_rmsnorm", "yes", ["train.fused_rmsnorm", "true or false"]),
     ("train", "loss_chunk_size", 0, ["train.loss_chunk_size", ">= 1"]),
     ("train", "seed", -1, ["train.seed", ">= 0"]),
     ("train", "schedule", "linear", ["train.schedule", "constant, cosine", "'linear'"]),

@@ -13,7 +13,7 @@ off, so ``cp_size=1`` without memory options is the base class unchanged):
 - ``__init__``: checks versions and options, builds ringft's DP x CP layout, CP = Ulysses x ring
   with ``ulysses_size`` (:func:`ringft.ops.build_hybrid_layout`, as ``ringft train`` does),
   switches the model to the ring (:func:`ringft.apply_ring_attention`), installs the chunked-loss forward
-  (:mod:`ringft.train.hf.forward`) and, if asked, the tiled MLP;
+  (:mod:`ringft.train.hf.forward`), the fused RMSNorm backward and, if asked, the tiled MLP;
 - ``_get_dataloader``: every dataloader reads per DP replica and shards per CP rank
   (:mod:`ringft.train.hf.data`);
 - ``get_cp_size``: the CP size, so the Trainer's total batch size counts DP replicas;
@@ -112,6 +112,8 @@ class RingTrainerMixin:
     - ``attention_tile_tokens``: run the attention kernels over tiles of at most this many queries
       and keys, merged exactly (``ringft.ops.tiles``): their transient memory follows the tile
       instead of the rank's sequence. None (default): untiled.
+    - ``fused_rmsnorm``: the RMSNorms' fused backward (``ringft.model.fused_rmsnorm``: same values,
+      no fp32 ``(tokens, hidden)`` temporaries), on whenever the ring or a memory option above is.
 
     Gradient checkpointing is the Trainer's own (``activation_checkpointing=True``). Launch with
     ``accelerate launch`` (DDP, DeepSpeed ZeRO-3, FSDP1 / FSDP2 configs), ``cp_size`` given here,
@@ -128,10 +130,13 @@ class RingTrainerMixin:
         tiled_mlp_tokens: int | None = None,
         offload_activations: bool = False,
         attention_tile_tokens: int | None = None,
+        fused_rmsnorm: bool = True,
         **kwargs: Any,
     ):
         if not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"{WHERE}: cp_size must be an integer >= 1, got {cp_size!r}")
+        if not isinstance(fused_rmsnorm, bool):
+            raise ValueError(f"{WHERE}: fused_rmsnorm must be True or False, got {fused_rmsnorm!r}")
         if loss_chunk_size < 1:
             raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
         as_integer(f"{WHERE}: attention_tile_tokens", attention_tile_tokens, 1, optional=True)
@@ -156,6 +161,10 @@ class RingTrainerMixin:
             self.model, layout, ring_backend, attention_tile_tokens=attention_tile_tokens
         )
         install_ring_loss_forward(self.model, loss_chunk_size, offload_activations)
+        if fused_rmsnorm:
+            from ringft.model.fused_rmsnorm import enable_fused_rmsnorm
+
+            enable_fused_rmsnorm(self.model)
         if tiled_mlp_tokens:
             from ringft.model.tiled_mlp import enable_tiled_mlp
 
