@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention-tile-tokens",
-        type=tokens_arg,
+        type=values.tokens_arg,
         default=None,
         help="attention backward transients per tile of N tokens (recipe train.attention_tile_tokens)",
     )
