@@ -46,6 +46,7 @@ BAD_VALUES = [
     ("train", "chunked_loss", 1, ["train.chunked_loss", "true or false"]),
     ("train", "tiled_mlp_tokens", 0, ["train.tiled_mlp_tokens", ">= 1"]),
     ("train", "tiled_norm_tokens", 0, ["train.tiled_norm_tokens", ">= 1"]),
+    ("train", "attention_checkpoint", "keep", ["train.attention_checkpoint", "recompute, save, offload"]),
     ("train", "loss_chunk_size", 0, ["train.loss_chunk_size", ">= 1"]),
     ("train", "seed", -1, ["train.seed", ">= 0"]),
     ("train", "schedule", "linear", ["train.schedule", "constant, cosine", "'linear'"]),
@@ -91,6 +92,9 @@ def test_cross_field_checks(tmp_path):
     with pytest.raises(RecipeError, match=r"train.warmup_steps=5 is beyond train.max_steps=4"):
         recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 5}))
     recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 4}))  # == max_steps is fine
+    no_ckpt = {"attention_checkpoint": "save", "gradient_checkpointing": False}
+    with pytest.raises(RecipeError, match=r"attention_checkpoint=save .* gradient_checkpointing is false"):
+        recipe_from_dict(_raw(tmp_path, train=no_ckpt))
     with pytest.raises(RecipeError, match=r"data.synthetic.min_len=100 is larger than data.seq_len=64"):
         recipe_from_dict(_raw(tmp_path, data={"path": None, "synthetic": {"min_len": 100}}))
     with pytest.raises(RecipeError, match=r"rope_type 'dynamic' is not exact with parallel.cp_size=2"):

@@ -37,7 +37,12 @@ from ringft.data.hf_batch import RING_LABELS, RING_LENGTH
 from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.hybrid_layout import HybridLayout, build_hybrid_layout
 from ringft.ops.ulysses import heads_problem
-from ringft.train.hf.checks import WHERE, check_no_accelerate_cp, check_trainer_options
+from ringft.train.hf.checks import (
+    WHERE,
+    attention_checkpoint_problem,
+    check_no_accelerate_cp,
+    check_trainer_options,
+)
 from ringft.train.hf.data import RingCollate, gather_over_dp, shard_loader_over_dp
 from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, predict_logits, ring_loss
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
@@ -108,6 +113,10 @@ class RingTrainerMixin:
     - ``loss_chunk_size``: tokens per chunk of the ``lm_head`` + cross-entropy (no full logits).
     - ``tiled_mlp_tokens``: run the MLP over token tiles of this size (``ringft.model.tiled_mlp``).
     - ``offload_activations``: keep the decoder's saved activations in CPU memory.
+    - ``attention_checkpoint``: ``"recompute"`` (default), ``"save"`` or ``"offload"``: under
+      gradient checkpointing, keep each layer's ring attention output and log-sum-exp from the
+      forward (``offload``: in host memory) so that the backward's recompute skips the ring forward
+      (:func:`ringft.apply_ring_attention`); ``save`` / ``offload`` need ``activation_checkpointing``.
 
     Gradient checkpointing is the Trainer's own (``activation_checkpointing=True``). Launch with
     ``accelerate launch`` (DDP, DeepSpeed ZeRO-3, FSDP1 / FSDP2 configs), ``cp_size`` given here,
@@ -123,6 +132,7 @@ class RingTrainerMixin:
         loss_chunk_size: int = 4096,
         tiled_mlp_tokens: int | None = None,
         offload_activations: bool = False,
+        attention_checkpoint: str = "recompute",
         **kwargs: Any,
     ):
         if not isinstance(cp_size, int) or cp_size < 1:
@@ -130,10 +140,12 @@ class RingTrainerMixin:
         if loss_chunk_size < 1:
             raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
         problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
+        problem = problem or attention_checkpoint_problem(attention_checkpoint, _training_args(args, kwargs))
         if problem:
             raise ValueError(f"{WHERE}: {problem}")
         self._ring: _Ring | None = None
-        active = cp_size > 1 or bool(tiled_mlp_tokens) or offload_activations
+        saving = attention_checkpoint != "recompute"
+        active = cp_size > 1 or bool(tiled_mlp_tokens) or offload_activations or saving
         if active:
             check_versions(uses_trl=_uses_trl(type(self)))
             check_no_accelerate_cp(_training_args(args, kwargs))
@@ -146,7 +158,8 @@ class RingTrainerMixin:
         check_trainer_options(self)
         from ringft.model.patch import apply_ring_attention
 
-        apply_ring_attention(self.model, layout, ring_backend)  # Ulysses x ring: the layout's groups
+        # Ulysses x ring: the layout's groups
+        apply_ring_attention(self.model, layout, ring_backend, attention_checkpoint=attention_checkpoint)
         install_ring_loss_forward(self.model, loss_chunk_size, offload_activations)
         if tiled_mlp_tokens:
             from ringft.model.tiled_mlp import enable_tiled_mlp
