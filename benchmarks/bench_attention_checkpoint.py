@@ -79,7 +79,7 @@ def measure(args) -> dict:
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
     model = _model(args)
-    loss_fn = CausalLMLoss(model, chunked=True, chunk_size=4096)
+    loss_fn = CausalLMLoss(model, chunked=True, chunk_size=4096, offload_activations=False)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, args.vocab, (1, args.seq), generator=gen).to(args.device)
     batch = dict(
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- machine: {describe_machine()}; {args.device}; {datetime.date.today().isoformat()}")
     print(
         f"- model: LLaMA hidden {args.hidden}, {args.heads} heads ({args.kv_heads} K/V), intermediate "
-        f"{args.intermediate}, {args.layers} layers, vocab {args.vocab}, {args.dtype}; {args.seq} tokens, CP 1"
+        f"{args.intermediate}, {args.layers} layers, vocab {args.vocab}, {args.dtype}; "
+        f"{args.seq} tokens, CP 1"
     )
     print(
         f"- kept by save: {kept} B per token per layer = "

@@ -127,3 +127,34 @@ def test_store_refuses_a_recompute_that_differs():
     out.add_(1)  # the forward's output changed in place after it was kept
     with pytest.raises(RuntimeError, match="modified in place"):
         store.replay(q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by hand on a GPU machine)")
+@pytest.mark.timeout(300)
+def test_offload_on_cuda_keeps_pinned_host_copies_and_equals_recompute(monkeypatch):
+    """On CUDA ``offload`` really moves the kept out/lse to pinned host memory and back
+    (asynchronous copies on the compute stream): bf16 loss and gradients still bitwise equal."""
+    kept: list[AttentionStore] = []
+
+    def tracked(offload: bool = False):
+        contexts = checkpoint_contexts(offload)
+        kept.append(contexts[0].store)
+        return contexts
+
+    monkeypatch.setattr(attention_checkpoint, "checkpoint_contexts", tracked)
+    ref = tiny_model("llama").to("cuda", torch.bfloat16)
+    batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in _batch().items()}
+    results = {}
+    for mode in MODES:
+        model = checkpointed(copy.deepcopy(ref), None, mode)
+        with counted_ring_forwards() as count:
+            loss = model(**batch).loss
+            if mode == "offload":
+                hosts = [entry.out for store in kept for entry in store._kept]
+                assert len(hosts) == LAYERS and all(t.device.type == "cpu" and t.is_pinned() for t in hosts)
+            loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        results[mode] = (loss.detach(), grads, count[0])
+        kept.clear()
+    differences = mode_differences(results, "cuda-bf16")
+    check_differences(differences, "CUDA")
