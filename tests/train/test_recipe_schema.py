@@ -93,7 +93,8 @@ def test_cross_field_checks(tmp_path):
         recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 5}))
     recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 4}))  # == max_steps is fine
     no_ckpt = {"attention_checkpoint": "save", "gradient_checkpointing": False}
-    with pytest.raises(RecipeError, match=r"^train.attention_checkpoint=save needs train.gradient_checkpointing: true"):
+    needs = r"^train.attention_checkpoint=save needs train.gradient_checkpointing: true"
+    with pytest.raises(RecipeError, match=needs):
         recipe_from_dict(_raw(tmp_path, train=no_ckpt))
     with pytest.raises(RecipeError, match=r"data.synthetic.min_len=100 is larger than data.seq_len=64"):
         recipe_from_dict(_raw(tmp_path, data={"path": None, "synthetic": {"min_len": 100}}))
