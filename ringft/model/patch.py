@@ -16,7 +16,9 @@ are not exact under zigzag sharding, checks that every rank got the same shapes 
 offsets, and turns the offsets (the batch's ``cu_seqlens``, or transformers' ``cu_seq_lens_q/k``)
 into this rank's document plan. The per-layer attention calls then skip that collective. Keyword
 arguments of the decoder reach the attention function, which is how :mod:`ringft.model.inference`
-hands it its KV cache (``ring_cache=``).
+hands it its KV cache (``ring_cache=``). With ``attention_checkpoint`` ``save`` / ``offload`` the
+pre-hook also makes the checkpointed layers keep their ring outputs for the recompute
+(:mod:`ringft.model.attention_checkpoint`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from typing import Any
 
 import torch
 
+from ringft.model.attention_checkpoint import (
+    ATTENTION_CHECKPOINT,
+    prepare_attention_checkpoint,
+    unwrap_checkpointing,
+)
 from ringft.model.gated_deltanet import (
     linear_attention_problem,
     prepare_linear_attention,
@@ -38,8 +45,9 @@ from ringft.model.unwrap import decoder, pretrained_model
 from ringft.ops import ShardedKVCache, ulysses_ring_attention, zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
 from ringft.ops.hybrid_layout import resolve_cp_groups
+from ringft.ops.saved_attention import active_store
 from ringft.ops.ulysses import heads_problem
-from ringft.ops.values import as_integer
+from ringft.ops.values import as_choice, as_integer
 
 __all__ = [
     "ATTENTION_NAME",
@@ -63,7 +71,8 @@ class RingSpec:
 
     2D context parallelism: ``ulysses_size > 1`` splits the CP group into Ulysses x ring
     (``groups``: :class:`~ringft.ops.hybrid_layout.HybridGroups`; None for the plain ring), and the
-    tokens follow :mod:`ringft.ops.cp_sharding`'s layout."""
+    tokens follow :mod:`ringft.ops.cp_sharding`'s layout. ``attention_checkpoint``: ``recompute``,
+    ``save`` or ``offload`` (:mod:`ringft.model.attention_checkpoint`)."""
 
     group: Any
     backend: str
@@ -73,6 +82,7 @@ class RingSpec:
     ulysses_size: int = 1
     groups: Any = None
     attention_tile_tokens: int | None = None
+    attention_checkpoint: str = "recompute"
 
     @property
     def ring_rank(self) -> int:
@@ -164,6 +174,7 @@ def ring_attention_forward(
         cu_seqlens=kwargs.get(DOCUMENTS),
         sliding_window=sliding_window,  # transformers passes each layer's own (None: full attention)
         attention_tile_tokens=spec.attention_tile_tokens,
+        store=None if spec.attention_checkpoint == "recompute" else active_store(),
     )
     if ring_cache is not None:
         ring_cache.store_prefill(module.layer_idx, k, v)
@@ -193,6 +204,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _input_check_hook(spec: RingSpec, config):
     def hook(module, args, kwargs):
+        prepare_attention_checkpoint(module, spec.attention_checkpoint)
         check_forward_inputs(spec, config, module, args, kwargs)
         return args, kwargs
 
@@ -207,6 +219,7 @@ def apply_ring_attention(
     ulysses_size: int | None = None,
     allow_untested: bool = False,
     attention_tile_tokens: int | None = None,
+    attention_checkpoint: str = "recompute",
 ) -> torch.nn.Module:
     """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`: LLaMA, Mistral,
     Qwen2/2.5, Qwen3, Gemma 3 text, Phi-3, OLMo 2) to zigzag ring attention over ``cp_group``.
@@ -215,7 +228,13 @@ def apply_ring_attention(
     parallelism (Ulysses x ring), the layout of :func:`ringft.ops.build_hybrid_layout` (or its
     ``.groups``). ``ulysses_size`` (default 1: the plain ring, bit for bit) splits a CP group that
     spans every process into Ulysses x ring itself; it must divide the CP size and the query heads
-    (refused naming the sizes that work). Idempotent (a second call updates the groups/backend);
+    (refused naming the sizes that work). ``attention_checkpoint``: under gradient checkpointing,
+    ``"recompute"`` (default) runs each layer's ring forward again in the backward; ``"save"`` keeps
+    each layer's attention output and log-sum-exp from the forward so the recompute skips the ring
+    forward (same gradients, bit for bit; ``heads_q * (head_dim * itemsize + 4)`` more bytes per token
+    and layer until the layer's backward); ``"offload"`` keeps them in host memory (pinned on CUDA).
+    ``save`` / ``offload`` need non-reentrant gradient checkpointing (refused at the first training
+    forward without it). Idempotent (a second call updates the groups/backend);
     undo with :func:`remove_ring_attention`. Works on a peft-wrapped model too. Returns ``model``.
     Inputs are then the CP rank's shard: ``input_ids`` / ``position_ids`` ``(batch, S / cp_size)``
     (``RingDataCollator(..., ulysses_size=)``). ``attention_tile_tokens`` (an int >= 1; None:
@@ -242,6 +261,7 @@ def apply_ring_attention(
         )
     check_model(config, attn_modules, allow_untested)
     as_integer("attention_tile_tokens", attention_tile_tokens, 1, optional=True)
+    as_choice("attention_checkpoint", attention_checkpoint, ATTENTION_CHECKPOINT)
     group, hybrid = resolve_cp_groups(cp_group, ulysses_size)  # (may build groups: every rank calls it)
     rank, size = group_rank_and_size(group)
     uly = 1 if hybrid is None else hybrid.sizes()[0]
@@ -262,8 +282,9 @@ def apply_ring_attention(
     previous = old.previous_implementation if old else config._attn_implementation
     spec = RingSpec(
         group, backend, size, rank, previous, ulysses_size=uly, groups=hybrid,
-        attention_tile_tokens=attention_tile_tokens,
+        attention_tile_tokens=attention_tile_tokens, attention_checkpoint=attention_checkpoint,
     )  # fmt: skip
+    unwrap_checkpointing(decoder(model))  # (the pre-hook wraps again for save / offload)
     pretrained._ringft_hook = decoder(model).register_forward_pre_hook(
         _input_check_hook(spec, config), with_kwargs=True
     )
@@ -282,6 +303,7 @@ def remove_ring_attention(model: torch.nn.Module) -> torch.nn.Module:
     if spec is None:
         return model
     pretrained._ringft_hook.remove()
+    unwrap_checkpointing(decoder(model))
     for module in _attention_modules(model):
         module.__dict__.pop("_ringft_ring", None)
     release_linear_attention(model)
@@ -292,9 +314,18 @@ def remove_ring_attention(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def ring_attention(model: torch.nn.Module, cp_group=None, backend: str = "auto", *, ulysses_size=None):
+def ring_attention(
+    model: torch.nn.Module,
+    cp_group=None,
+    backend: str = "auto",
+    *,
+    ulysses_size=None,
+    attention_checkpoint: str = "recompute",
+):
     """Context manager form: ``with ring_attention(model, group): ...``."""
-    apply_ring_attention(model, cp_group, backend, ulysses_size=ulysses_size)
+    apply_ring_attention(
+        model, cp_group, backend, ulysses_size=ulysses_size, attention_checkpoint=attention_checkpoint
+    )
     try:
         yield model
     finally:

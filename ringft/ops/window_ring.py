@@ -81,18 +81,13 @@ def _payload(k: Tensor, v: Tensor) -> Tensor:
 
 class _WindowedRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, group, kernel: BlockAttention, rank, plan: WindowPlan, groups):
-        kw = dict(plan=plan, rank=rank, groups=groups, softmax_scale=softmax_scale)
-        ex = _Exchange(group, plan, rank)
-        payload = _payload(k, v).contiguous() if plan.steps else None
-        pending = _kv_step(ex, payload, 1, k) if plan.steps else None
-        out, lse = forward_window_step(kernel, q, local_blocks(k, v, rank, plan.cp_size), None, None, **kw)
-        for step in range(1, plan.steps + 1):
-            posted, received = pending
-            _Exchange.wait(posted)
-            pending = _kv_step(ex, payload, step + 1, k) if step < plan.steps else None
-            out, lse = forward_window_step(kernel, q, _blocks(received, plan.cp_size), out, lse, **kw)
-        out = out.to(q.dtype)
+    def forward(
+        ctx, q, k, v, softmax_scale, group, kernel: BlockAttention, rank, plan: WindowPlan, groups, kept
+    ):
+        if kept is not None:  # a checkpoint's recompute: the forward's own out/lse (saved_attention)
+            out, lse = kept
+        else:
+            out, lse = _ring_forward(q, k, v, softmax_scale, group, kernel, rank, plan, groups)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.group, ctx.kernel, ctx.rank, ctx.plan, ctx.groups = (
             softmax_scale, group, kernel, rank, plan, groups,
@@ -105,7 +100,22 @@ class _WindowedRingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with no_autocast(q.device.type):
             dq, dk, dv = _ring_backward(ctx, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _ring_forward(q, k, v, softmax_scale, group, kernel, rank, plan: WindowPlan, groups):
+    """``(out in q's dtype, lse)``: the local chunks, then each step's received chunks."""
+    kw = dict(plan=plan, rank=rank, groups=groups, softmax_scale=softmax_scale)
+    ex = _Exchange(group, plan, rank)
+    payload = _payload(k, v).contiguous() if plan.steps else None
+    pending = _kv_step(ex, payload, 1, k) if plan.steps else None
+    out, lse = forward_window_step(kernel, q, local_blocks(k, v, rank, plan.cp_size), None, None, **kw)
+    for step in range(1, plan.steps + 1):
+        posted, received = pending
+        _Exchange.wait(posted)
+        pending = _kv_step(ex, payload, step + 1, k) if step < plan.steps else None
+        out, lse = forward_window_step(kernel, q, _blocks(received, plan.cp_size), out, lse, **kw)
+    return out.to(q.dtype), lse
 
 
 def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
@@ -163,8 +173,11 @@ def windowed_ring_attention(
     rank: int,
     plan: WindowPlan,
     groups: RowGroups,
+    kept: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, 2c, Hq, D) in q's dtype, lse (B, Hq, 2c))`` of this rank's zigzag shard ``q``
     ``(B, 2c, Hq, D)`` against every rank's ``k``/``v`` ``(B, 2c, Hkv, D)`` within ``plan.window``
-    (and the documents of ``groups``); differentiable in q, k and v. Inputs already validated."""
-    return _WindowedRingAttention.apply(q, k, v, softmax_scale, group, kernel, rank, plan, groups)
+    (and the documents of ``groups``); differentiable in q, k and v. Inputs already validated.
+    ``kept``: this call's out/lse from the forward (a checkpoint's recompute): the ring forward is
+    skipped and they are saved for the backward as they are."""
+    return _WindowedRingAttention.apply(q, k, v, softmax_scale, group, kernel, rank, plan, groups, kept)

@@ -24,6 +24,7 @@ from ringft.ops.backends import BACKENDS, BlockAttention, default_softmax_scale,
 from ringft.ops.comm import RingExchange, group_rank_and_size
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
+from ringft.ops.saved_attention import AttentionStore
 from ringft.ops.sharding import local_length_problem
 from ringft.ops.tiles import tiled
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
@@ -149,31 +150,13 @@ def validate_inputs(
 
 class _ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, group, kernel: BlockAttention, rank, size, documents):
-        ring = RingExchange(group) if size > 1 else None
-        current = torch.stack([k, v]) if size > 1 else None  # K and V travel in one buffer
-        spare = torch.empty_like(current) if size > 1 else None
-        out = lse = None
-        for step in range(size):
-            pending = ring.start(current, spare) if step + 1 < size else None  # next block in flight
-            kb, vb = (k, v) if step == 0 else (current[0], current[1])
-            out, lse = forward_block(
-                kernel,
-                q,
-                kb,
-                vb,
-                out,
-                lse,
-                step=step,
-                source=(rank - step) % size,
-                rank=rank,
-                causal=causal,
-                softmax_scale=softmax_scale,
-                documents=documents,
-            )
-            if pending is not None:
-                current, spare = pending.wait(), current
-        out = out.to(q.dtype)
+    def forward(
+        ctx, q, k, v, causal, softmax_scale, group, kernel: BlockAttention, rank, size, documents, kept
+    ):
+        if kept is not None:  # a checkpoint's recompute: the forward's own out/lse (saved_attention)
+            out, lse = kept
+        else:
+            out, lse = _ring_forward(q, k, v, causal, softmax_scale, group, kernel, rank, size, documents)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.group, ctx.kernel = causal, softmax_scale, group, kernel
         ctx.rank, ctx.size, ctx.documents = rank, size, documents
@@ -185,7 +168,35 @@ class _ZigzagRingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with no_autocast(q.device.type):
             dq, dk, dv = _ring_backward(ctx, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _ring_forward(q, k, v, causal, softmax_scale, group, kernel, rank, size, documents):
+    """``(out in q's dtype, lse fp32)``: N steps of block attention while the next K/V is in flight."""
+    ring = RingExchange(group) if size > 1 else None
+    current = torch.stack([k, v]) if size > 1 else None  # K and V travel in one buffer
+    spare = torch.empty_like(current) if size > 1 else None
+    out = lse = None
+    for step in range(size):
+        pending = ring.start(current, spare) if step + 1 < size else None  # next block in flight
+        kb, vb = (k, v) if step == 0 else (current[0], current[1])
+        out, lse = forward_block(
+            kernel,
+            q,
+            kb,
+            vb,
+            out,
+            lse,
+            step=step,
+            source=(rank - step) % size,
+            rank=rank,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            documents=documents,
+        )
+        if pending is not None:
+            current, spare = pending.wait(), current
+    return out.to(q.dtype), lse
 
 
 def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
@@ -259,6 +270,7 @@ def zigzag_ring_attention(
     cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
     sliding_window: int | None = None,
     attention_tile_tokens: int | None = None,
+    store: AttentionStore | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence zigzag-sharded across the ranks of ``group``.
 
@@ -288,6 +300,9 @@ def zigzag_ring_attention(
             tiles of at most this many queries and keys, merged by log-sum-exp
             (:mod:`ringft.ops.tiles`): exact, and the kernels' transient memory follows the tile
             instead of ``seq_local``. ``None``: untiled. A tile >= ``seq_local`` is one tile.
+        store: under activation checkpointing, the checkpointed call's
+            :class:`~ringft.ops.saved_attention.AttentionStore` (:func:`active_store`): the forward
+            keeps its out/lse there and the recompute takes them back instead of running the ring.
 
     Returns:
         ``out`` ``(batch, seq_local, heads_q, head_dim)`` in q's dtype (the autocast dtype under
@@ -308,21 +323,27 @@ def zigzag_ring_attention(
         if problems:
             raise ValueError(f"zigzag_ring_attention: rank {rank}: " + "; ".join(problems))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    kept = store.replay(q) if store is not None else None
     if sliding_window is not None and sliding_window < q.shape[1] * size:  # else: every key is in it
-        out, lse = _windowed(
-            q, k, v, scale, group, backend, rank, size, sliding_window, cu_seqlens, attention_tile_tokens
-        )
-        return (out, lse) if return_lse else out
-    documents = cu_seqlens
-    if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
-        documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
-    kernel = tiled(get_backend(backend, q.device, q.dtype, q.shape[-1]), attention_tile_tokens)
-    with no_autocast(q.device.type):
-        out, lse = _ZigzagRingAttention.apply(q, k, v, causal, scale, group, kernel, rank, size, documents)
+        window, tile = sliding_window, attention_tile_tokens
+        out, lse = _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens, tile, kept)
+    else:
+        documents = cu_seqlens
+        if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
+            documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
+        kernel = tiled(get_backend(backend, q.device, q.dtype, q.shape[-1]), attention_tile_tokens)
+        with no_autocast(q.device.type):
+            out, lse = _ZigzagRingAttention.apply(
+                q, k, v, causal, scale, group, kernel, rank, size, documents, kept
+            )
+    if store is not None and kept is None:
+        store.record(out, lse)
     return (out, lse) if return_lse else out
 
 
-def _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens, tile) -> tuple[Tensor, Tensor]:
+def _windowed(
+    q, k, v, scale, group, backend, rank, size, window, cu_seqlens, tile, kept
+) -> tuple[Tensor, Tensor]:
     """The sliding-window schedule (:mod:`ringft.ops.window_ring`) on validated inputs."""
     cu_rows = cu_seqlens
     if isinstance(cu_seqlens, DocumentPlan):
@@ -333,5 +354,5 @@ def _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens, ti
     kernel = tiled(get_backend(backend, q.device, q.dtype, q.shape[-1]), tile)
     with no_autocast(q.device.type):
         return windowed_ring_attention(
-            q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0])
+            q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0]), kept
         )

@@ -191,7 +191,11 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
     if t.gradient_checkpointing:
         enable_activation_checkpointing(model)
     apply_ring_attention(
-        model, cp_group, recipe.model.attn_backend, attention_tile_tokens=t.attention_tile_tokens
+        model,
+        cp_group,
+        recipe.model.attn_backend,
+        attention_tile_tokens=t.attention_tile_tokens,
+        attention_checkpoint=t.attention_checkpoint,
     )
     if t.tiled_mlp_tokens:
         from ringft.model.tiled_mlp import enable_tiled_mlp

@@ -211,6 +211,7 @@ class TrainConfig(Section):
     grad_clip: float = number(1.0, lo=0)  # global-norm clipping; 0 = off
     gradient_checkpointing: bool = boolean(True)
     offload_activations: bool = boolean(False)  # checkpointed layer inputs to CPU memory
+    attention_checkpoint: str = choice("recompute", ("recompute", "save", "offload"))  # docs/recipes.md
     tiled_mlp_tokens: int | None = integer(None, lo=1, optional=True)  # MLP in tiles of this many tokens
     tiled_norm_tokens: int | None = integer(None, lo=1, optional=True)  # RMSNorms in tiles (not DeepSpeed)
     attention_tile_tokens: int | None = integer(None, lo=1, optional=True)  # attention kernels in tiles
@@ -220,6 +221,8 @@ class TrainConfig(Section):
     seed: int = integer(0, lo=0)
 
     def check(self) -> None:
+        if (mode := self.attention_checkpoint) != "recompute" and not self.gradient_checkpointing:
+            raise RecipeError(f"train.attention_checkpoint={mode} needs train.gradient_checkpointing: true")
         if self.warmup_steps > self.max_steps:
             raise RecipeError(
                 f"train.warmup_steps={self.warmup_steps} is beyond train.max_steps={self.max_steps}: "

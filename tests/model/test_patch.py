@@ -1,7 +1,9 @@
 """LLaMA / Mistral on the zigzag ring vs the unmodified transformers model in one process.
 
 Oracle: the same weights, ``attn_implementation="eager"``, one process, whole sequence. fp32. CP 2 and
-3 (and the refusals, on CP 2) run in one spawn of 3 processes (the CP group of size N is ranks 0..N-1).
+3 (and the refusals, on CP 2) run in one spawn of 3 processes (the CP group of size N is ranks 0..N-1),
+as do ``attention_checkpoint`` save / offload against recompute at CP 2 and 3 (fp64, bitwise: see
+tests/model/attention_checkpoint_checks.py).
 Tolerances: logits 1e-5 abs (values O(1); fp32 eps 1.2e-7 times a few hundred accumulated
 operations), loss 1e-6 abs, gradients 1e-5 relative to the largest entry of each parameter's
 gradient (the ring only reorders fp32 sums; any masking/position/label mistake is O(1e-1)).
@@ -17,17 +19,19 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention, zigzag_gather
 from ringft.ops.spawn import run_distributed
+from tests.model.attention_checkpoint_checks import attention_checkpoint_differences, check_differences
 from tests.tiny_models import VOCAB, compare_with_reference, ragged_examples, tiny_model
 
 CP_SIZES = (2, 3)  # one spawn of 3 processes: the CP group of size N is ranks 0..N-1
 
 
-def worker(rank: int, world: int) -> tuple[dict[int, dict[str, float]], dict[str, str]]:
+def worker(rank: int, world: int) -> tuple[dict[int, dict[str, float]], dict[str, str], dict]:
     """The equivalences on every CP group this rank is in, keyed by its size; the refusals on CP 2
-    (ranks 0 and 1; empty on rank 2)."""
+    (ranks 0 and 1; empty on rank 2); attention_checkpoint's differences per CP size."""
     groups = {n: dist.new_group(list(range(n))) for n in CP_SIZES}  # every rank creates every group
     errors = {n: equivalence_worker(rank, n, groups[n]) for n in CP_SIZES if rank < n}
-    return errors, errors_worker(rank, 2, groups[2]) if rank < 2 else {}
+    saved = {n: attention_checkpoint_differences(rank, n, groups[n]) for n in CP_SIZES if rank < n}
+    return errors, errors_worker(rank, 2, groups[2]) if rank < 2 else {}, saved
 
 
 def equivalence_worker(rank: int, world: int, group) -> dict[str, float]:
@@ -139,7 +143,7 @@ def _count_all_gathers(collator, group) -> float:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[tuple[dict[int, dict[str, float]], dict[str, str]]]:
+def results() -> list[tuple[dict[int, dict[str, float]], dict[str, str], dict]]:
     """One spawn of 3 gloo processes for the module: every rank's results."""
     return run_distributed(worker, max(CP_SIZES), timeout=240)
 
@@ -164,6 +168,14 @@ def test_models_on_ring_match_one_process(results, world):
         for name, err in errors.items():
             limit = {"loss": 1e-6, "logits": 1e-5, "grad": 1e-5}[name.split("/")[1]]
             assert err <= limit, f"CP={world} rank {rank} {name}: {err:.2e} > {limit:.0e}"
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", CP_SIZES)
+def test_attention_checkpoint_equals_recompute_with_half_the_ring_forwards(results, world):
+    for rank in range(world):
+        check_differences(results[rank][2][world], f"CP={world} rank {rank}")
 
 
 # RoPE types whose frequencies follow the largest position a rank sees (not exact under zigzag).

@@ -5,7 +5,9 @@ One spawn of 4 gloo processes runs every (ulysses, ring) factorisation of CP 2 (
 GQA with K/V heads fewer than (replicated), equal to and more than ``ulysses_size``; then packed
 documents through the hybrid, from the collator's ``cu_seqlens`` and from the position ids alone
 (the fallback that gathers them over the CP group), and RingInference (prefill through the hybrid,
-decode on the per-CP-rank cache), and two bad inputs that must raise on every rank.
+decode on the per-CP-rank cache), and two bad inputs that must raise on every rank. At 2 x 2,
+``attention_checkpoint`` save / offload against recompute (fp64, bitwise: the saved object is the
+ring's own head-sharded out/lse; tests/model/attention_checkpoint_checks.py).
 
 Oracle: the same weights, eager attention, one process, the whole (padded) batch; packed rows with
 restarting position ids and no mask (transformers masks the documents itself). Tolerances:
@@ -27,6 +29,7 @@ from ringft import RingDataCollator, apply_ring_attention, cp_gather, ring_spec
 from ringft.ops.hybrid_layout import HybridGroups, build_hybrid_layout
 from ringft.ops.sharding import zigzag_shard
 from ringft.ops.spawn import run_distributed
+from tests.model.attention_checkpoint_checks import attention_checkpoint_differences, check_differences
 from tests.tiny_models import VOCAB, fp32_bounds, ragged_examples, tiny_model
 
 LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = fp32_bounds(56)  # rows padded to at most 56 tokens (cp 4)
@@ -160,7 +163,7 @@ def _with_warnings(fn, *args):
 
 def worker(rank: int, world: int) -> dict:
     """Errors per (cp, ulysses, config), keyed ``"cp x u / config / measure"``; refusals."""
-    out: dict = {"errors": {}, "seen": {}}
+    out: dict = {"errors": {}, "seen": {}, "saved": {}}
     examples = ragged_examples(3)
     for cp, u in LAYOUTS:
         target, group, cp_rank = _target(world, cp, u)
@@ -186,6 +189,8 @@ def worker(rank: int, world: int) -> dict:
             if (cp, u) in ((4, 2), (3, 3)):
                 inference = _inference(target, cp_rank, *HEADS[u][0])
                 out["errors"].update({f"{cp}x{u}/{k}": v for k, v in inference.items()})
+        if (cp, u) == (4, 2):
+            out["saved"] = attention_checkpoint_differences(cp_rank, cp, target, ulysses_size=u)
         if (cp, u) == (4, 2):  # bad inputs raise on every rank, before any all-to-all
             model = apply_ring_attention(_model(*HEADS[u][1]), target)
             skewed = RingDataCollator(cp_rank, cp, pad_token_id=0, ulysses_size=u)(
@@ -244,6 +249,7 @@ def test_hybrid_model_matches_one_process():
                 else:
                     assert len(warnings) == 1 and f"sent {copies} times" in warnings[0], warnings
                     logged.add((u, hkv))
+        check_differences(result["saved"], f"Ulysses 2 x ring 2 rank {rank}")
         assert "same batch and seq_local" in seen["skewed"], seen["skewed"]
         assert "cp_position_ids" in seen["positions"], seen["positions"]
         if rank < 3:

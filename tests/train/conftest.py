@@ -105,7 +105,7 @@ def hf_two(hf_root) -> dict[str, dict]:
         "ddp-epoch": spec(f"{r}/ddp-epoch", steps=0, rows=21),
         "cp": spec(f"{r}/cp", **ring, evaluate=True, predict=True, save=2),
         "cp-resumed": spec(f"{r}/cp", **ring, resume=f"{r}/cp/checkpoint-2"),
-        "cp-ga": spec(f"{r}/cp-ga", **ring, mb=1, ga=2, gc=True),
+        "cp-ga": spec(f"{r}/cp-ga", **ring, mb=1, ga=2, gc=True, attn="save"),
         "cp-epoch": spec(f"{r}/cp-epoch", **ring, steps=0, rows=21),
         "cp-sft": spec(f"{r}/cp-sft", kind="sft", **ring, evaluate=True),
         "cp-lora": spec(f"{r}/cp-lora", **ring, lora=True),

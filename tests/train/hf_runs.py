@@ -41,9 +41,9 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
     """A run: ``kind`` trainer | sft | fsdp (tests/train/hf_fsdp.py) | script (recipes/trl_sft/sft.py
     with ``argv``, in this process), ``mixin`` (RingTrainerMixin on/off), ``cp``, ``ulysses``
     (ulysses_size: cp = ulysses x ring), ``steps`` (max_steps; 0: one epoch), ``mb``, ``ga``, ``gc``
-    (activation checkpointing), ``lora``, ``avg`` (average_tokens_across_devices), ``save``
-    (save_steps), ``resume`` (a checkpoint folder), ``evaluate``, ``predict``, ``collate`` (right |
-    left padding), ``rows`` (training examples)."""
+    (activation checkpointing), ``attn`` (the mixin's attention_checkpoint), ``lora``, ``avg``
+    (average_tokens_across_devices), ``save`` (save_steps), ``resume`` (a checkpoint folder),
+    ``evaluate``, ``predict``, ``collate`` (right | left padding), ``rows`` (training examples)."""
     base = dict(
         kind="trainer",
         mixin=False,
@@ -53,6 +53,7 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
         mb=2,
         ga=1,
         gc=False,
+        attn="recompute",
         lora=False,
         avg=True,
         save=None,
@@ -152,6 +153,8 @@ def _trainer(s: dict[str, Any], tok, model) -> Any:
         include_num_input_tokens_seen="non_padding",
     )
     kwargs = dict(cp_size=s["cp"], ulysses_size=s["ulysses"], ring_backend="torch") if s["mixin"] else {}
+    if s["mixin"]:
+        kwargs["attention_checkpoint"] = s["attn"]
     evals = datasets.Dataset.from_list(examples(7, 99, 10, 40, prompts=True))
     if s["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer

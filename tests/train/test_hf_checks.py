@@ -109,3 +109,22 @@ def test_bad_attention_tile_tokens_is_refused_before_the_trainer_is_built():
     message = r"^ringft.RingTrainerMixin: attention_tile_tokens must be an integer >= 1 or null, got 0"
     with pytest.raises(ValueError, match=message):
         trainer(model=None, cp_size=2, attention_tile_tokens=0)
+
+
+def test_attention_checkpoint_is_refused_without_activation_checkpointing(tmp_path):
+    """save / offload keep what checkpointing would recompute: refused before the base trainer is
+    built when the TrainingArguments do not checkpoint; a bad value names the choices."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from ringft import RingTrainerMixin
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    trainer = type("RingTrainer", (RingTrainerMixin, Trainer), {})
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"attention_checkpoint='save' .* set activation_checkpointing=True"):
+        trainer(model=LlamaForCausalLM(config), args=args, attention_checkpoint="save")
+    with pytest.raises(ValueError, match=r"attention_checkpoint must be one of recompute, save, offload"):
+        trainer(model=LlamaForCausalLM(config), args=args, attention_checkpoint=True)

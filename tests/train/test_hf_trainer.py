@@ -67,8 +67,8 @@ def test_cp_size_1_is_the_base_trainer(hf_two):
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
 def test_grad_accum_and_activation_checkpointing(hf_two):
-    """micro batch 1 x gradient accumulation 2 with activation checkpointing: the step's
-    denominator counts both micro-steps on both ranks."""
+    """micro batch 1 x gradient accumulation 2 with activation checkpointing (and the ring's
+    ``attention_checkpoint="save"``): the step's denominator counts both micro-steps on both ranks."""
     assert_same_training(hf_two["cp-ga"], hf_two["one-ga"])
 
 

@@ -49,6 +49,7 @@ BAD_VALUES = [
     ("train", "attention_tile_tokens", 0, ["train.attention_tile_tokens", ">= 1", "got 0"]),
     ("train", "attention_tile_tokens", 512.0, ["train.attention_tile_tokens", "integer"]),
     ("train", "fused_rmsnorm", "yes", ["train.fused_rmsnorm", "true or false"]),
+    ("train", "attention_checkpoint", "keep", ["train.attention_checkpoint", "recompute, save, offload"]),
     ("train", "loss_chunk_size", 0, ["train.loss_chunk_size", ">= 1"]),
     ("train", "seed", -1, ["train.seed", ">= 0"]),
     ("train", "schedule", "linear", ["train.schedule", "constant, cosine", "'linear'"]),
@@ -95,6 +96,10 @@ def test_cross_field_checks(tmp_path):
     with pytest.raises(RecipeError, match=r"train.warmup_steps=5 is beyond train.max_steps=4"):
         recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 5}))
     recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 4}))  # == max_steps is fine
+    no_ckpt = {"attention_checkpoint": "save", "gradient_checkpointing": False}
+    needs = r"^train.attention_checkpoint=save needs train.gradient_checkpointing: true"
+    with pytest.raises(RecipeError, match=needs):
+        recipe_from_dict(_raw(tmp_path, train=no_ckpt))
     with pytest.raises(RecipeError, match=r"data.synthetic.min_len=100 is larger than data.seq_len=64"):
         recipe_from_dict(_raw(tmp_path, data={"path": None, "synthetic": {"min_len": 100}}))
     with pytest.raises(RecipeError, match=r"rope_type 'dynamic' is not exact with parallel.cp_size=2"):

@@ -263,7 +263,13 @@ def _accum_recipes(root: Path, data: str) -> tuple[dict, dict]:
         root / "accum",
         data,
         parallel={"cp_size": 2},
-        train={"micro_batch_size": 1, "grad_accum": 2, "gradient_checkpointing": True},
+        # attention_checkpoint save: the recompute takes the ring outputs the forward kept
+        train={
+            "micro_batch_size": 1,
+            "grad_accum": 2,
+            "gradient_checkpointing": True,
+            "attention_checkpoint": "save",
+        },
     )
     big = tiny_recipe(root / "big", data, parallel={"cp_size": 2}, train={"micro_batch_size": 2})
     return accum, big
@@ -294,8 +300,9 @@ def two_rank_runs(tmp_path_factory, data_path, masked_data_path) -> tuple[Path, 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
 def test_grad_accum_matches_larger_micro_batch(two_rank_runs, masked_data_path):
-    """cp=2: grad_accum=2 x micro_batch 1 (with gradient checkpointing) == grad_accum=1 x micro_batch 2,
-    on data where some micro-batches hold no valid target (they must add 0 to the denominator)."""
+    """cp=2: grad_accum=2 x micro_batch 1 (with gradient checkpointing, attention_checkpoint save) ==
+    grad_accum=1 x micro_batch 2, on data where some micro-batches hold no valid target (they must
+    add 0 to the denominator)."""
     import datasets
 
     from ringft.train.data import example_indices

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["check_no_accelerate_cp", "check_trainer_options"]
+__all__ = ["attention_checkpoint_problem", "check_no_accelerate_cp", "check_trainer_options"]
 
 WHERE = "ringft.RingTrainerMixin"
 
@@ -28,6 +28,24 @@ def check_no_accelerate_cp(args: Any) -> None:
             "replaces accelerate's context / sequence parallelism: drop them from the parallelism_config and "
             "pass cp_size=... to the trainer"
         )
+
+
+def attention_checkpoint_problem(value: Any, args: Any) -> str | None:
+    """Why ``attention_checkpoint=value`` cannot run with these ``TrainingArguments`` (or None)."""
+    from ringft.model.attention_checkpoint import ATTENTION_CHECKPOINT
+    from ringft.ops.values import BadValue, as_choice
+
+    try:
+        as_choice("attention_checkpoint", value, ATTENTION_CHECKPOINT)
+    except BadValue as exc:
+        return str(exc)
+    if value != "recompute" and args is not None and not getattr(args, "activation_checkpointing", False):
+        return (
+            f"attention_checkpoint={value!r} keeps what activation checkpointing would recompute, but the "
+            "TrainingArguments have activation_checkpointing off (nothing is recomputed): set "
+            "activation_checkpointing=True or attention_checkpoint='recompute'"
+        )
+    return None
 
 
 def _fsdp_requested(args: Any) -> bool:

@@ -38,7 +38,12 @@ from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.hybrid_layout import HybridLayout, build_hybrid_layout
 from ringft.ops.ulysses import heads_problem
 from ringft.ops.values import as_integer
-from ringft.train.hf.checks import WHERE, check_no_accelerate_cp, check_trainer_options
+from ringft.train.hf.checks import (
+    WHERE,
+    attention_checkpoint_problem,
+    check_no_accelerate_cp,
+    check_trainer_options,
+)
 from ringft.train.hf.data import RingCollate, gather_over_dp, shard_loader_over_dp
 from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, predict_logits, ring_loss
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
@@ -114,6 +119,10 @@ class RingTrainerMixin:
       instead of the rank's sequence. None (default): untiled.
     - ``fused_rmsnorm``: the RMSNorms' fused backward (``ringft.model.fused_rmsnorm``: same values,
       no fp32 ``(tokens, hidden)`` temporaries), on whenever the ring or a memory option above is.
+    - ``attention_checkpoint``: ``"recompute"`` (default), ``"save"`` or ``"offload"``: under
+      gradient checkpointing, keep each layer's ring attention output and log-sum-exp from the
+      forward (``offload``: in host memory) so that the backward's recompute skips the ring forward
+      (:func:`ringft.apply_ring_attention`); ``save`` / ``offload`` need ``activation_checkpointing``.
 
     Gradient checkpointing is the Trainer's own (``activation_checkpointing=True``). Launch with
     ``accelerate launch`` (DDP, DeepSpeed ZeRO-3, FSDP1 / FSDP2 configs), ``cp_size`` given here,
@@ -131,6 +140,7 @@ class RingTrainerMixin:
         offload_activations: bool = False,
         attention_tile_tokens: int | None = None,
         fused_rmsnorm: bool = True,
+        attention_checkpoint: str = "recompute",
         **kwargs: Any,
     ):
         if not isinstance(cp_size, int) or cp_size < 1:
@@ -141,10 +151,13 @@ class RingTrainerMixin:
             raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
         as_integer(f"{WHERE}: attention_tile_tokens", attention_tile_tokens, 1, optional=True)
         problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
+        problem = problem or attention_checkpoint_problem(attention_checkpoint, _training_args(args, kwargs))
         if problem:
             raise ValueError(f"{WHERE}: {problem}")
         self._ring: _Ring | None = None
+        saving = attention_checkpoint != "recompute"
         active = cp_size > 1 or bool(tiled_mlp_tokens) or offload_activations or bool(attention_tile_tokens)
+        active = active or saving
         if active:
             check_versions(uses_trl=_uses_trl(type(self)))
             check_no_accelerate_cp(_training_args(args, kwargs))
@@ -158,7 +171,11 @@ class RingTrainerMixin:
         from ringft.model.patch import apply_ring_attention
 
         apply_ring_attention(  # Ulysses x ring: the layout's groups
-            self.model, layout, ring_backend, attention_tile_tokens=attention_tile_tokens
+            self.model,
+            layout,
+            ring_backend,
+            attention_tile_tokens=attention_tile_tokens,
+            attention_checkpoint=attention_checkpoint,
         )
         install_ring_loss_forward(self.model, loss_chunk_size, offload_activations)
         if fused_rmsnorm:
