@@ -57,7 +57,8 @@ class Family:
     Shape facts for the planner: ``qk_norm`` ``""`` / ``"head"`` (an RMSNorm over each head's
     ``head_dim``) / ``"all"`` (over all heads' q or k, OLMo 2); ``qkv_bias`` (q/k/v projections
     with bias, o_proj without: Qwen2); ``norms`` RMSNorms per decoder layer (Gemma 3: 4);
-    ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+    ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``); ``moe`` (a sparse mixture-of-experts MLP
+    with a router: its load-balancing loss is a statistic of the whole batch)."""
 
     model_type: str
     label: str
@@ -69,6 +70,7 @@ class Family:
     qkv_bias: bool = False
     norms: int = 2
     fused: bool = False
+    moe: bool = False
 
 
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -132,6 +134,52 @@ FAMILIES: dict[str, Family] = {
             "q/k RMSNorm over all heads; post-norms",
             qk_norm="all",
         ),
+        Family(
+            "olmo3",
+            "OLMo 3",
+            ("Olmo3ForCausalLM", "Olmo3Model"),
+            "layer_types",
+            _QKVO,
+            "q/k RMSNorm over all heads; post-norms; sliding and full layers per layer_types",
+            qk_norm="all",
+        ),
+        Family(
+            "smollm3",
+            "SmolLM3",
+            ("SmolLM3ForCausalLM", "SmolLM3Model"),
+            "layer_types",
+            _QKVO,
+            "GQA; NoPE layers (no_rope_layers); windows on sliding layers when use_sliding_window",
+        ),
+        Family(
+            "ministral3",
+            "Ministral 3",
+            ("Ministral3ForCausalLM", "Ministral3Model"),
+            "every_layer",
+            _QKVO,
+            "GQA; queries scaled by position (llama_4_scaling_beta, from the global position ids); "
+            "sliding_window on every layer",
+        ),
+        Family(
+            "mixtral",
+            "Mixtral",
+            ("MixtralForCausalLM", "MixtralModel"),
+            "every_layer",
+            _QKVO,
+            "GQA; sparse MoE MLP (per token); sliding_window on every layer",
+            moe=True,
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3-MoE",
+            ("Qwen3MoeForCausalLM", "Qwen3MoeModel"),
+            "every_layer",
+            _QKVO,
+            "per-head q/k RMSNorm; sparse MoE MLP (per token); sliding_window on every layer when "
+            "use_sliding_window",
+            qk_norm="head",
+            moe=True,
+        ),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -172,6 +220,8 @@ def layer_windows(config: Any) -> list[int | None]:
     if fam is None or fam.windows == "none" or window is None:
         return [None] * layers
     if fam.windows == "every_layer":
+        if isinstance(config, Mapping) and fam.model_type == "qwen3_moe" and not get("use_sliding_window"):
+            return [None] * layers  # Qwen3MoeConfig drops the window unless use_sliding_window
         return [window] * layers
     kinds = get("layer_types")
     if not kinds and fam.model_type in ("qwen2", "qwen3"):  # a config.json dict: Qwen2Config's rule
@@ -180,6 +230,14 @@ def layer_windows(config: Any) -> list[int | None]:
     if not kinds and fam.model_type == "gemma3_text":  # Gemma3TextConfig's rule: 5 local, 1 global
         pattern = get("sliding_window_pattern", 6)
         kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if not kinds and fam.model_type == "olmo3":  # Olmo3Config's rule: 3 sliding, 1 full
+        kinds = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    if fam.model_type == "smollm3" and not get("use_sliding_window", False):
+        return [None] * layers  # SmolLM3's attention passes a window only when use_sliding_window
+    if not kinds and fam.model_type == "smollm3":  # SmolLM3Config's rule: windows on the NoPE layers
+        interval = get("no_rope_layer_interval", 4)
+        rope = get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        kinds = ["full_attention" if r else "sliding_attention" for r in rope]
     kinds = list(kinds or ["full_attention"] * layers)
     return [window if kind == "sliding_attention" else None for kind in kinds]
 
@@ -304,6 +362,8 @@ def set_window(config: Any, window: int | None) -> None:
         raise ValueError(f"{name} has no sliding-window attention: use model.sliding_window: keep")
     if fam.windows == "every_layer":
         config.sliding_window = window
+        if hasattr(config, "use_sliding_window"):  # Qwen3-MoE
+            config.use_sliding_window = window is not None
         return
     kinds = list(getattr(config, "layer_types", None) or [])
     if fam.model_type == "gemma3_text":

@@ -78,7 +78,7 @@ class Case:
 def _cases() -> list[Case]:
     # full attention on every layer; Qwen2/3's and Gemma 3's full layers also run in the windowed
     # cases below (layer 0, resp. 1), with the same configs otherwise
-    plain = ("qwen2-yarn", "phi3", "olmo2", "llama3")
+    plain = ("qwen2-yarn", "phi3", "olmo2", "llama3", "qwen3_moe")
     cases = [Case(name, "padded", ("family", name), i) for i, name in enumerate(plain)]
     # every window on Gemma 3 (a local and a global layer); a straddling one on every other family
     cases += [Case(f"gemma3-w{w}", "padded", ("windowed", "gemma3", w), 10 + w) for w in WINDOWS]
@@ -86,8 +86,9 @@ def _cases() -> list[Case]:
         Case(f"{name}-w13", "padded", ("windowed", name, 13), 60 + i)
         for i, name in enumerate(n for n in WINDOWED if n != "gemma3")
     ]
-    for i, name in enumerate(("gemma3", "mistral")):
+    for i, name in enumerate(("gemma3", "mistral", "olmo3")):
         cases.append(Case(f"{name}-packed-w7", "packed", ("windowed", name, 7), 70 + i))
+    cases.append(Case("qwen3_moe-packed", "packed", ("family", "qwen3_moe"), 75))
     cases.append(Case("phi3-lora", "padded", ("lora", "phi3"), 80))
     for name in ("gemma3", "qwen2"):
         cases.append(Case(f"{name}-decode-w{DECODE_WINDOW}", "decode", ("windowed", name, DECODE_WINDOW), 90))

@@ -26,7 +26,7 @@ from tests.model.family_models import (
 
 
 def test_every_supported_family_is_accepted_without_a_flag():
-    names = {FAMILY_CONFIGS[n][0] for n in FAMILY_CONFIGS} | {"llama", "mistral"}
+    names = {FAMILY_CONFIGS[n][0] for n in FAMILY_CONFIGS} | {WINDOWED[n][0] for n in WINDOWED} | {"llama"}
     assert names == set(SUPPORTED_MODEL_TYPES)
     for model_type in SUPPORTED_MODEL_TYPES:
         extra = {"head_dim": 16} if model_type == "gemma3_text" else {}
@@ -124,9 +124,12 @@ def test_tiled_mlp_of_every_family_is_exact():
     from ringft.model.tiled_mlp import enable_tiled_mlp
 
     ids = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(0))
-    for name in FAMILY_CONFIGS:
-        ref = family_model(name)
-        tiled = enable_tiled_mlp(family_model(name), num_tiles=7)
+    builds = [(family_model, (n,)) for n in FAMILY_CONFIGS if n != "qwen3_moe"]  # MoE: not tiled
+    builds += [(windowed_model, (n, 5)) for n in ("olmo3", "smollm3", "ministral3")]
+    for build, args in builds:
+        name = args[0]
+        ref = build(*args)
+        tiled = enable_tiled_mlp(build(*args), num_tiles=7)
         for m in (ref, tiled):
             m(input_ids=ids, labels=ids).loss.backward()
         for (n, p), (_, q) in zip(tiled.named_parameters(), ref.named_parameters()):
