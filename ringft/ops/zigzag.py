@@ -24,6 +24,7 @@ from ringft.ops.comm import RingExchange, group_rank_and_size
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
 from ringft.ops.sharding import local_length_problem
+from ringft.ops.sinks import sink_gradient, sink_problems, sink_rescale
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 from ringft.ops.window_blocks import row_groups
 from ringft.ops.window_ring import windowed_ring_attention
@@ -118,6 +119,7 @@ def validate_inputs(
     cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
     causal: bool = True,
     sliding_window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Raise the same ``ValueError`` on every rank when any rank's inputs are unusable.
 
@@ -127,7 +129,7 @@ def validate_inputs(
     """
     problems = local_input_problems(q, k, v, backend, size)
     problems += _document_problems(q, cu_seqlens, causal, rank, size)
-    problems += _window_problems(sliding_window, causal)
+    problems += _window_problems(sliding_window, causal) + sink_problems(sinks, q)
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
     window = sliding_window if isinstance(sliding_window, int) and not problems else 0
     facts = (*shape, DTYPE_CODES.get(q.dtype, 0), offsets_checksum(cu_seqlens), window)
@@ -145,7 +147,9 @@ def validate_inputs(
 
 class _ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, group, kernel: BlockAttention, rank, size, documents):
+    def forward(
+        ctx, q, k, v, causal, softmax_scale, group, kernel: BlockAttention, rank, size, documents, sinks
+    ):
         ring = RingExchange(group) if size > 1 else None
         current = torch.stack([k, v]) if size > 1 else None  # K and V travel in one buffer
         spare = torch.empty_like(current) if size > 1 else None
@@ -169,8 +173,10 @@ class _ZigzagRingAttention(torch.autograd.Function):
             )
             if pending is not None:
                 current, spare = pending.wait(), current
+        if sinks is not None:  # after the merge: the sink needs nothing from other ranks
+            out, lse = sink_rescale(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.causal, ctx.softmax_scale, ctx.group, ctx.kernel = causal, softmax_scale, group, kernel
         ctx.rank, ctx.size, ctx.documents = rank, size, documents
         ctx.mark_non_differentiable(lse)
@@ -178,10 +184,11 @@ class _ZigzagRingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         with no_autocast(q.device.type):
             dq, dk, dv = _ring_backward(ctx, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            dsinks = sink_gradient(dout, out, lse, sinks[0]) if sinks else None
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
 def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
@@ -250,6 +257,7 @@ def zigzag_ring_attention(
     validate: bool = True,
     cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
     sliding_window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence zigzag-sharded across the ranks of ``group``.
 
@@ -275,6 +283,9 @@ def zigzag_ring_attention(
             ``cu_seqlens`` a key must be in the window and the document). Blocks outside the window
             are never computed and K/V travel only to ranks whose window reaches them (see
             :mod:`ringft.ops.windows`). ``None``, or a window >= S, is plain causal attention.
+        sinks: attention sinks ``(heads_q,)`` (gpt-oss): one learned logit per query head in every
+            row's softmax denominator, differentiable (:mod:`ringft.ops.sinks`); the returned lse
+            then includes it.
 
     Returns:
         ``out`` ``(batch, seq_local, heads_q, head_dim)`` in q's dtype (the autocast dtype under
@@ -285,29 +296,31 @@ def zigzag_ring_attention(
     if validate:
         validate_inputs(
             q, k, v, backend, group, rank, size, cu_seqlens=cu_seqlens, causal=causal,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, sinks=sinks,
         )  # fmt: skip
     else:
         problems = local_input_problems(q, k, v, backend, size) + _document_problems(
             q, cu_seqlens, causal, rank, size
         )
-        problems += _window_problems(sliding_window, causal)
+        problems += _window_problems(sliding_window, causal) + sink_problems(sinks, q)
         if problems:
             raise ValueError(f"zigzag_ring_attention: rank {rank}: " + "; ".join(problems))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if sliding_window is not None and sliding_window < q.shape[1] * size:  # else: every key is in it
-        out, lse = _windowed(q, k, v, scale, group, backend, rank, size, sliding_window, cu_seqlens)
+        out, lse = _windowed(q, k, v, scale, group, backend, rank, size, sliding_window, cu_seqlens, sinks)
         return (out, lse) if return_lse else out
     documents = cu_seqlens
     if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
         documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
     kernel = get_backend(backend, q.device, q.dtype, q.shape[-1])
     with no_autocast(q.device.type):
-        out, lse = _ZigzagRingAttention.apply(q, k, v, causal, scale, group, kernel, rank, size, documents)
+        out, lse = _ZigzagRingAttention.apply(
+            q, k, v, causal, scale, group, kernel, rank, size, documents, sinks
+        )
     return (out, lse) if return_lse else out
 
 
-def _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens) -> tuple[Tensor, Tensor]:
+def _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens, sinks) -> tuple[Tensor, Tensor]:
     """The sliding-window schedule (:mod:`ringft.ops.window_ring`) on validated inputs."""
     cu_rows = cu_seqlens
     if isinstance(cu_seqlens, DocumentPlan):
@@ -318,5 +331,5 @@ def _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens) ->
     kernel = get_backend(backend, q.device, q.dtype, q.shape[-1])
     with no_autocast(q.device.type):
         return windowed_ring_attention(
-            q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0])
+            q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0]), sinks
         )
