@@ -17,9 +17,10 @@ is what arrives there (read from each modeling file of transformers 5.24):
 - Gemma 3's local layers rotate with their own RoPE base (``rope_parameters["sliding_attention"]``),
   computed from the global position ids, so they are exact under zigzag sharding too.
 
-Refused, because the ring cannot compute them exactly: attention-logit soft-capping (Gemma 2), a
-final-logit soft-cap (the chunked loss and RingInference project with the bare ``lm_head``),
-attention sinks (gpt-oss), bidirectional / non-causal layers, chunked-attention or non-attention
+gpt-oss's attention sinks arrive as ``s_aux`` (one logit per query head) and are merged after the
+ring (:mod:`ringft.ops.sinks`). Refused, because the ring cannot compute them exactly:
+attention-logit soft-capping (Gemma 2), a final-logit soft-cap (the chunked loss and RingInference
+project with the bare ``lm_head``), bidirectional / non-causal layers, chunked-attention or non-attention
 layer types. Unknown model types need ``allow_untested=True``; the refusals hold for them too.
 """
 
@@ -180,6 +181,16 @@ FAMILIES: dict[str, Family] = {
             qk_norm="head",
             moe=True,
         ),
+        Family(
+            "gpt_oss",
+            "gpt-oss",
+            ("GptOssForCausalLM", "GptOssModel"),
+            "layer_types",
+            _QKVO,
+            "attention sinks (a learned logit per head, merged after the ring: ringft.ops.sinks); "
+            "q/k/v/o bias; sliding and full layers per layer_types; sparse MoE MLP (per token)",
+            moe=True,
+        ),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -266,8 +277,6 @@ def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
             f"final-logit soft-capping (config.final_logit_softcapping={final}; ringft's chunked loss and "
             "RingInference project with the lm_head alone)"
         )
-    if any(getattr(m, "sinks", None) is not None for m in modules):
-        found.append("attention sinks (the attention module's `sinks`, passed as s_aux)")
     if getattr(config, "use_bidirectional_attention", False) or any(not m.is_causal for m in modules):
         found.append("bidirectional (non-causal) attention layers (config.use_bidirectional_attention)")
     chunk = getattr(config, "attention_chunk_size", None)
@@ -325,17 +334,12 @@ def check_model(config: Any, modules: list[nn.Module], allow_untested: bool = Fa
 
 
 def call_problem(kwargs: Mapping[str, Any]) -> str | None:
-    """What an attention call asks for that the ring cannot do (``softcap``, ``s_aux`` sinks), or
-    None. Checked on every call: a model of an untested family may pass them."""
+    """What an attention call asks for that the ring cannot do (``softcap``), or None. Checked on
+    every call: a model of an untested family may pass it."""
     if kwargs.get("softcap") is not None:
         return (
             f"the attention call asks for logit soft-capping (softcap={kwargs['softcap']}), which zigzag "
             "ring attention does not compute: this model is not supported"
-        )
-    if kwargs.get("s_aux") is not None:
-        return (
-            "the attention call passes attention sinks (s_aux), which zigzag ring attention does not "
-            "compute: this model is not supported"
         )
     return None
 

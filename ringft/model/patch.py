@@ -131,6 +131,12 @@ def ring_attention_forward(
             f"attention dropout ({dropout}) is not supported by ring attention: set "
             "config.attention_dropout = 0.0"
         )
+    sinks = kwargs.get("s_aux")  # gpt-oss: merged after the ring (ringft.ops.sinks)
+    if sinks is not None and (ring_cache is not None or spec.groups is not None):
+        raise ValueError(
+            "attention sinks (s_aux) run on the plain ring only: RingInference and ulysses_size > 1 "
+            "do not compute them (use ulysses_size 1 and model.generate in one process)"
+        )
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
     if ring_cache is not None and ring_cache.is_filled(module.layer_idx):
         out = ring_cache.decode_attention(
@@ -155,6 +161,7 @@ def ring_attention_forward(
         validate=not kwargs.get(CHECKED, False),
         cu_seqlens=kwargs.get(DOCUMENTS),
         sliding_window=sliding_window,  # transformers passes each layer's own (None: full attention)
+        **({} if sinks is None else {"sinks": sinks}),
     )
     if ring_cache is not None:
         ring_cache.store_prefill(module.layer_idx, k, v)

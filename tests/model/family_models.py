@@ -6,8 +6,8 @@ YaRN (Qwen2.5's long-context config), per-head q/k norm and ``head_dim != hidden
 ``query_pre_attn_scalar``, head_dim 32 with hidden 64 / 4 heads, local and global layers with their
 own RoPE bases and linear scaling on the global layers (Gemma 3, as its 4B/12B configs), a fused
 ``qkv_proj`` (Phi-3), q/k norm over all heads (OLMo 2), a sparse MoE MLP (Qwen3-MoE; Mixtral with
-a window), sliding + full layers (OLMo 3), a windowed NoPE layer (SmolLM3), queries scaled by
-their position (Ministral 3).
+a window), attention sinks with sliding + full layers (gpt-oss), sliding + full layers (OLMo 3), a
+windowed NoPE layer (SmolLM3), queries scaled by their position (Ministral 3).
 """
 
 from __future__ import annotations
@@ -94,6 +94,16 @@ WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3": ("smollm3", {"use_sliding_window": True, "no_rope_layer_interval": 2}),
     "ministral3": ("ministral3", {"rope_parameters": MINISTRAL3_ROPE}),
     "mixtral": ("mixtral", {**MOE, "num_local_experts": 4}),
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            **MOE,
+            "num_local_experts": 4,
+            "head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    ),
 }
 
 

@@ -53,7 +53,6 @@ def test_features_the_ring_cannot_compute_are_refused_by_name():
     assert "attn_logit_softcapping=50.0" in msg and "final_logit_softcapping=30.0" in msg
     msg = _refusal("gemma2", head_dim=16, final_logit_softcapping=None)
     assert "attention-logit soft-capping" in msg and "final-logit" not in msg
-    assert "attention sinks" in _refusal("gpt_oss", head_dim=16, num_local_experts=2)
     msg = _refusal("gemma3_text", False, head_dim=16, use_bidirectional_attention=True)
     assert "bidirectional (non-causal)" in msg
     msg = _refusal("gemma3_text", False, head_dim=16, final_logit_softcapping=30.0)
@@ -75,15 +74,18 @@ def test_unknown_types_need_allow_untested_and_multimodal_gemma3_is_pointed_to_i
         check_model(AutoConfig.for_model("gemma3"), [torch.nn.Module()], allow_untested=False)
 
 
-def test_an_attention_call_with_softcap_or_sinks_is_refused():
+def test_softcap_and_sinks_in_decoding_are_refused():
     model = apply_ring_attention(family_model("qwen2", torch.float32))
     module = attention_modules(model)[0]
     q = torch.zeros(1, 4, 4, 16)
     kv = torch.zeros(1, 2, 4, 16)
     with pytest.raises(ValueError, match="softcap=30.0"):
         ring_attention_forward(module, q, kv, kv, None, scaling=0.25, softcap=30.0)
-    with pytest.raises(ValueError, match="attention sinks"):
-        ring_attention_forward(module, q, kv, kv, None, scaling=0.25, s_aux=torch.zeros(4))
+    from ringft.ops.decode import ShardedKVCache
+
+    cache = ShardedKVCache([0, 1, 2, 3], 4, owner=True)
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\) run on the plain ring only"):
+        ring_attention_forward(module, q, kv, kv, None, scaling=0.25, s_aux=torch.zeros(4), ring_cache=cache)
 
 
 def test_layer_windows_and_scaling_match_what_each_model_passes():
