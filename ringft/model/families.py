@@ -182,6 +182,16 @@ FAMILIES: dict[str, Family] = {
             moe=True,
         ),
         Family(
+            "deepseek_v3",
+            "DeepSeek-V3",
+            ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
+            "none",
+            ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+            "latent attention: q/k head dim (nope + rope) != v head dim, V zero-padded on the ring "
+            "(ringft.ops.latent); sparse MoE MLP (per token) after dense layers",
+            moe=True,
+        ),
+        Family(
             "gpt_oss",
             "gpt-oss",
             ("GptOssForCausalLM", "GptOssModel"),
@@ -282,6 +292,14 @@ def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is not None:
         found.append(f"chunked attention (config.attention_chunk_size={chunk})")
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    gemma4 = getattr(config, "model_type", None) == "gemma4_text"
+    if gemma4 or shared or getattr(config, "attention_k_eq_v", False):
+        found.append(
+            "Gemma 4's per-layer attention (head dims per layer type via per_layer_config, "
+            f"num_kv_shared_layers={shared} layers reusing an earlier layer's K/V, attention_k_eq_v), "
+            "not verified on the ring"
+        )
     layer_problem = _layer_type_problem(config)
     if layer_problem:
         found.append(layer_problem)

@@ -23,6 +23,7 @@ from ringft.ops.backends import BACKENDS, BlockAttention, default_softmax_scale,
 from ringft.ops.comm import RingExchange, group_rank_and_size
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
+from ringft.ops.latent import pad_head_dims
 from ringft.ops.sharding import local_length_problem
 from ringft.ops.sinks import sink_gradient, sink_problems, sink_rescale
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
@@ -263,7 +264,8 @@ def zigzag_ring_attention(
 
     Args:
         q: ``(batch, seq_local, heads_q, head_dim)``, this rank's chunks ``r`` and ``2N-1-r``.
-        k, v: ``(batch, seq_local, heads_kv, head_dim)``, ``heads_q % heads_kv == 0`` (GQA/MQA).
+        k, v: ``(batch, seq_local, heads_kv, head_dim)``, ``heads_q % heads_kv == 0`` (GQA/MQA); v's
+            head dim may differ from q/k's (latent attention: zero-padded, :mod:`ringft.ops.latent`).
         causal: causal (True) or bidirectional (False) attention over the global sequence.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         group: the context-parallel process group (default: the world group; N = 1 needs no
@@ -293,6 +295,14 @@ def zigzag_ring_attention(
     """
     rank, size = group_rank_and_size(group)
     q, k, v = follow_autocast(q, k, v)  # like scaled_dot_product_attention
+    if q.dim() == k.dim() == v.dim() == 4 and v.shape[-1] != k.shape[-1] and k.shape[:3] == v.shape[:3]:
+        scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+        q, k, v, dv = pad_head_dims(q, k, v)  # latent attention (ringft.ops.latent)
+        res = zigzag_ring_attention(
+            q, k, v, causal=causal, softmax_scale=scale, group=group, backend=backend, return_lse=True,
+            validate=validate, cu_seqlens=cu_seqlens, sliding_window=sliding_window, sinks=sinks,
+        )  # fmt: skip
+        return (res[0][..., :dv], res[1]) if return_lse else res[0][..., :dv]
     if validate:
         validate_inputs(
             q, k, v, backend, group, rank, size, cu_seqlens=cu_seqlens, causal=causal,

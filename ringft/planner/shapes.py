@@ -64,6 +64,8 @@ class ModelShape:
                 text.setdefault("model_type", f"{get('model_type')}_text")
             return cls.from_config(text, name=name or get("_name_or_path"))
         family = FAMILIES.get(get("model_type"))
+        if get("kv_lora_rank") is not None:
+            raise ValueError("the planner does not model latent attention (DeepSeek-V3's kv_lora_rank) yet")
         try:
             hidden = int(get("hidden_size"))
             heads = int(get("num_attention_heads"))

@@ -72,6 +72,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
+    "deepseek_v3": (  # latent attention: q/k head dim 16 + 8, v head dim 12; 1 dense + 1 MoE layer
+        "deepseek_v3",
+        {
+            "num_key_value_heads": 4,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 24,
+            **MOE,
+            "n_routed_experts": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+        },
+    ),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 24, **MOE, "num_experts": 4, "moe_intermediate_size": 32}),
 }
 # Windows per family: the layers that get the window, as transformers' modeling code passes it.

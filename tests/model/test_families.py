@@ -42,9 +42,9 @@ HID, INTER, LAYERS = COMMON["hidden_size"], COMMON["intermediate_size"], COMMON[
 PATH = LAYERS * (HID + SEQ + 32 + 128 + HID + INTER) + HID
 BOUNDS = {"logits": PATH * EPS64, "loss": (PATH + VOCAB + SEQ) * EPS64, "grad": 2 * PATH * EPS64}
 BOUNDS["decode"] = BOUNDS["logits"] + EPS32  # RingInference returns fp32 logits: one more rounding
-# Gemma's RMSNorm weights get their gradient as an fp32 sum over the batch's tokens (transformers
-# computes those norms in fp32), which the ring splits across ranks: recursive fp32 summation of
-# <= 3 * SEQ terms.
+# Gemma's RMSNorm weights (and DeepSeek-V3's router) get their gradient as an fp32 sum over the
+# batch's tokens (transformers computes them in fp32), which the ring splits across ranks:
+# recursive fp32 summation of <= 3 * SEQ terms.
 BOUNDS["grad32"] = 3 * SEQ * EPS32
 WINDOWS = (1, 3, 13, 40)  # 1: itself only; 3 < every chunk; 13 straddles chunk edges; 40 > a chunk
 PACKED = ([19, 13, 9, 5], 48)  # documents across and on chunk edges, one packed row of 48
@@ -78,7 +78,7 @@ class Case:
 def _cases() -> list[Case]:
     # full attention on every layer; Qwen2/3's and Gemma 3's full layers also run in the windowed
     # cases below (layer 0, resp. 1), with the same configs otherwise
-    plain = ("qwen2-yarn", "phi3", "olmo2", "llama3", "qwen3_moe")
+    plain = ("qwen2-yarn", "phi3", "olmo2", "llama3", "deepseek_v3")  # Qwen3-MoE: packed, below
     cases = [Case(name, "padded", ("family", name), i) for i, name in enumerate(plain)]
     # every window on Gemma 3 (a local and a global layer); a straddling one on every other family
     cases += [Case(f"gemma3-w{w}", "padded", ("windowed", "gemma3", w), 10 + w) for w in WINDOWS]
@@ -117,8 +117,10 @@ def _ce(logits: torch.Tensor, shift_labels: torch.Tensor, count: int) -> torch.T
 
 def _fp32_parameters(model) -> set[str]:
     """Parameters whose gradient transformers accumulates in fp32 even in an fp64 model: Gemma's
-    RMSNorm weights (``x.float() * (1 + weight.float())``)."""
-    return {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Gemma3RMSNorm"}
+    RMSNorm weights (``x.float() * (1 + weight.float())``), DeepSeek-V3's router weight
+    (``linear(x.float(), weight.float())``)."""
+    fp32 = ("Gemma3RMSNorm", "DeepseekV3TopkRouter")  # DeepSeek-V3's router: fp32 logits
+    return {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ in fp32}
 
 
 def _grads(model) -> dict[str, torch.Tensor]:

@@ -57,6 +57,9 @@ def test_features_the_ring_cannot_compute_are_refused_by_name():
     assert "bidirectional (non-causal)" in msg
     msg = _refusal("gemma3_text", False, head_dim=16, final_logit_softcapping=30.0)
     assert "final-logit soft-capping (config.final_logit_softcapping=30.0" in msg
+    # Gemma 4: refused by name on every rank before any traffic (check_model reads the config only)
+    msg = _refusal("gemma4_text", head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0)
+    assert "Gemma 4's per-layer attention" in msg and "num_kv_shared_layers=0" in msg
     model = family_model("qwen2", torch.float32)
     model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\]"):
@@ -126,7 +129,7 @@ def test_tiled_mlp_of_every_family_is_exact():
     from ringft.model.tiled_mlp import enable_tiled_mlp
 
     ids = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(0))
-    builds = [(family_model, (n,)) for n in FAMILY_CONFIGS if n != "qwen3_moe"]  # MoE: not tiled
+    builds = [(family_model, (n,)) for n in FAMILY_CONFIGS if n not in ("qwen3_moe", "deepseek_v3")]
     builds += [(windowed_model, (n, 5)) for n in ("olmo3", "smollm3", "ministral3")]
     for build, args in builds:
         name = args[0]

@@ -42,7 +42,7 @@ def test_multimodal_config_reads_its_text_decoder():
     assert shape.total_params == load_model_shape("gemma-3-4b").total_params
 
 
-@pytest.mark.parametrize("name", [*sorted(FAMILY_CONFIGS), "mixtral"])
+@pytest.mark.parametrize("name", [*sorted(set(FAMILY_CONFIGS) - {"deepseek_v3"}), "mixtral"])
 def test_parameter_counts_equal_the_transformers_model(name):
     model = windowed_model(name, 5, torch.float32) if name == "mixtral" else family_model(name, torch.float32)
     shape = load_model_shape(model.config)
