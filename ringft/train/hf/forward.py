@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringft.data.hf_batch import RING_ROWS
 from ringft.loss import causal_lm_loss
 from ringft.model.inputs import OFFSETS
 from ringft.model.unwrap import pretrained_model
@@ -54,6 +55,11 @@ IGNORE_INDEX = -100
 def _offsets(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch's per-row global document offsets, as the ring's decoder keyword (if any)."""
     return {} if batch.get(OFFSETS) is None else {OFFSETS: batch[OFFSETS]}
+
+
+def _rows(batch: dict[str, Any]) -> dict[str, Any]:
+    """The rows a router load-balancing loss counts (:data:`ringft.data.hf_batch.RING_ROWS`), if any."""
+    return {} if batch.get(RING_ROWS) is None else {RING_ROWS: batch[RING_ROWS]}
 
 
 @dataclass
@@ -91,6 +97,7 @@ def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_a
             chunked=True,
             chunk_size=s.chunk_size,
             offload_activations=s.offload_activations,
+            router_rows=kwargs.get(RING_ROWS),
         )
         loss = loss * ringft_loss_scale if ringft_loss_scale != 1 else loss
         setattr(self, _LAST_LOSS, loss.detach())
@@ -135,6 +142,7 @@ def ring_loss(
         shift_labels=batch["shift_labels"],
         num_items_in_batch=num_items,
         **_offsets(batch),
+        **_rows(batch),
         **{RING_LOSS: True, RING_LOSS_SCALE: scale},
     )
     loss = out["loss"] if isinstance(out, dict) else out.loss
