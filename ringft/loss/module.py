@@ -13,7 +13,7 @@ from ringft.loss.router import RouterLoss, load_balancing_loss, router_loss_sett
 from ringft.model.patch import ring_spec
 from ringft.model.unwrap import decoder, pretrained_model
 
-__all__ = ["CausalLMLoss", "causal_lm_loss"]
+__all__ = ["CausalLMLoss", "causal_lm_loss", "cp_load_balancing_loss"]
 
 
 class CausalLMLoss(nn.Module):
@@ -90,6 +90,7 @@ def causal_lm_loss(
     chunk_size: int,
     offload_activations: bool,
     router_rows: Tensor | None = None,
+    router_scale: float | Tensor = 1,
 ) -> Tensor:
     """``sum of the token losses of (batch, seq_local) inputs / num_items_in_batch`` (fp32 scalar)
     of a causal LM (peft-wrapped or not): the one loss path of :class:`CausalLMLoss` and of
@@ -99,7 +100,8 @@ def causal_lm_loss(
     (``config.output_router_logits``; :func:`ringft.loss.router.router_loss_settings`) gets this
     rank's share of it too: ``router_aux_loss_coef x aux / cp``, ``aux`` over the CP group's whole
     sequence (:mod:`ringft.loss.router`); ``router_rows`` ``(batch, seq_local)``: the rows it
-    counts (the one-process batch's attention mask; None: every row)."""
+    counts (the one-process batch's attention mask; None: every row); ``router_scale`` multiplies
+    that term (an evaluation that divides the summed loss by its token count later passes it)."""
     router = router_loss_settings(model)
     if router is not None:
         return _with_router_loss(
@@ -114,6 +116,7 @@ def causal_lm_loss(
             chunk_size=chunk_size,
             offload_activations=offload_activations,
             router_rows=router_rows,
+            router_scale=router_scale,
         )
     documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
@@ -155,6 +158,7 @@ def _with_router_loss(
     chunk_size: int,
     offload_activations: bool,
     router_rows: Tensor | None,
+    router_scale: float | Tensor,
 ) -> Tensor:
     """:func:`causal_lm_loss` of an LM whose forward adds the load-balancing loss: the token-loss
     share plus ``coef x aux / cp``. The unchunked path asks the LM for logits and router logits and
@@ -183,7 +187,15 @@ def _with_router_loss(
             num_items_in_batch=num_items_in_batch,
             shift_labels=shift_labels,
         )
+    aux, cp = cp_load_balancing_loss(model, router, out.router_logits, router_rows)
+    return loss + (router.coef * router_scale / cp) * aux.to(loss.dtype)
+
+
+def cp_load_balancing_loss(
+    model: nn.Module, router: RouterLoss, router_logits: Any, rows: Tensor | None
+) -> tuple[Tensor, int]:
+    """``(aux, cp)``: the load-balancing loss over the whole sequence of ``model``'s CP group (the
+    same on every rank) and the group's size (1 without the ring)."""
     spec = ring_spec(model)
     group, cp = (spec.group, spec.size) if spec is not None else (None, 1)
-    aux = load_balancing_loss(out.router_logits, router.num_experts, router.top_k, router_rows, group, cp)
-    return loss + (router.coef / cp) * aux.to(loss.dtype)
+    return load_balancing_loss(router_logits, router.num_experts, router.top_k, rows, group, cp), cp

@@ -42,10 +42,13 @@ def router_batch(rank: int = 0, size: int = 1) -> dict[str, Any]:
 
 def router_run(name: str, rank: int = 0, size: int = 1, group: Any = None) -> dict[str, Any]:
     """ringft's loss (chunked, with the router term) of the batch and every gradient: on one
-    process (``size`` 1, the unmodified model), or summed over the ring of ``group``."""
+    process (``size`` 1, the unmodified model, sdpa attention in fp64), or summed over the ring of
+    ``group``."""
     model = router_model(name)
     if size > 1:
         apply_ring_attention(model, group)
+    elif model._supports_sdpa:  # the fp64 oracle (eager attention's softmax is fp32; gpt-oss's is not)
+        model.set_attn_implementation("sdpa")
     b = router_batch(rank, size)
     loss = causal_lm_loss(
         model,
