@@ -205,8 +205,8 @@ def apply_ring_attention(
     ulysses_size: int | None = None,
     allow_untested: bool = False,
 ) -> torch.nn.Module:
-    """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`: LLaMA, Mistral,
-    Qwen2/2.5, Qwen3, Gemma 3 text, Phi-3, OLMo 2) to zigzag ring attention over ``cp_group``.
+    """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`) to zigzag ring
+    attention over ``cp_group``.
 
     ``cp_group``: the CP process group (``None``: the default group), or, for 2D context
     parallelism (Ulysses x ring), the layout of :func:`ringft.ops.build_hybrid_layout` (or its
