@@ -1,5 +1,6 @@
-"""ringft: fine-tune Hugging Face decoders (LLaMA, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Phi-3, OLMo 2)
-at very long context with exact zigzag ring attention (sliding windows included).
+"""ringft: fine-tune Hugging Face decoders (LLaMA, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Phi-3, OLMo 2/3,
+SmolLM3, Ministral 3, Mixtral, Qwen3-MoE) at very long context with exact zigzag ring attention
+(sliding windows included).
 
 The names below are the public API. The attention operator, sharding, the collator and the model
 patch import eagerly (torch + transformers only); the inference engine, the loss helpers and the

@@ -71,3 +71,29 @@ def windowed_attention_fp64(q, k, v, window: int, cu_seqlens=None, scale: float 
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
     return out, lse
+
+
+def sink_attention_fp64(q, k, v, sinks, window: int | None = None, cu_seqlens=None, scale=None):
+    """Causal attention with an attention sink per query head (gpt-oss's eager form: the sink's
+    logit is one more column of each row's softmax, dropped before the values), optionally within a
+    sliding ``window`` and documents (as :func:`windowed_attention_fp64`). q (B, S, Hq, D), k/v
+    (B, S, Hkv, D), sinks (Hq,) -> out (B, S, Hq, D) fp64. Differentiable."""
+    q, k, v, sinks = q.double(), k.double(), v.double(), sinks.double()
+    batch, seq, heads = q.shape[:3]
+    groups = heads // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    i = torch.arange(seq)[:, None]
+    j = torch.arange(seq)[None, :]
+    keep = (j <= i) & (i - j < (window or seq))
+    masks = []
+    for b in range(batch):
+        doc = torch.zeros(seq, dtype=torch.long)
+        for start in (cu_seqlens[b] if cu_seqlens is not None else [0, seq])[1:-1]:
+            doc[start:] += 1
+        masks.append(keep & (doc[:, None] == doc[None, :]))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~torch.stack(masks)[:, None], float("-inf"))
+    column = sinks.view(1, heads, 1, 1).expand(batch, heads, seq, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)

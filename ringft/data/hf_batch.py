@@ -34,7 +34,15 @@ import torch
 from ringft.data.collator import pad_sequence_tensors, shard_sequence_tensors
 from ringft.ops.documents import cu_seqlens_from_position_ids
 
-__all__ = ["RING_COUNTS", "RING_LABELS", "RING_LENGTH", "BatchRefused", "VARLEN_KEYS", "shard_collated_batch"]
+__all__ = [
+    "RING_COUNTS",
+    "RING_LABELS",
+    "RING_LENGTH",
+    "RING_ROWS",
+    "BatchRefused",
+    "VARLEN_KEYS",
+    "shard_collated_batch",
+]
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 DROPPED_KEYS = ("use_cache", "return_dict", "return_loss")
@@ -42,6 +50,9 @@ RING_LENGTH = "ring_length"  # the collated sequence length before the ring's pa
 RING_LABELS = "ring_labels"  # the collated, unshifted, unsharded labels (kept for predict())
 # int64 (3,): tokens as transformers counts them (all, non-padding) and as TRL's SFTTrainer does
 RING_COUNTS = "ring_counts"
+# bool (batch, seq_local): the rows one process's batch counts (its attention mask; without one,
+# every collated position), False on the ring's padding: what a router load-balancing loss averages
+RING_ROWS = "ring_rows"
 
 
 class BatchRefused(ValueError):
@@ -129,7 +140,7 @@ def shard_collated_batch(
     Returns ``input_ids``, ``position_ids`` (global positions) and, when the batch had targets,
     ``shift_labels`` (also as ``labels``), each ``(batch, seq_pad // cp_size)`` with ``seq_pad``
     the next multiple of ``2 * cp_size``; ``cu_seqlens`` (per row, global offsets ``[0, ...,
-    seq_pad]``); :data:`RING_LENGTH` (``seq``), :data:`RING_COUNTS`, and
+    seq_pad]``); :data:`RING_LENGTH` (``seq``), :data:`RING_COUNTS`, :data:`RING_ROWS`, and
     with ``keep_labels`` the unsharded labels as :data:`RING_LABELS`. ``count_pad_token_id``: the
     tokenizer's pad id for the non-padding token count of batches without a mask. ``ulysses_size``:
     shard for CP = Ulysses x ring (:func:`ringft.data.collator.shard_sequence_tensors`). Raises
@@ -170,6 +181,8 @@ def shard_collated_batch(
     if shifted is not None:
         full["shift_labels"] = shifted
     padded = pad_sequence_tensors(full, cp_size, pad_token_id, ignore_index)
+    counted = torch.ones(shape, dtype=torch.bool) if keep is None else keep
+    padded[RING_ROWS] = torch.nn.functional.pad(counted, (0, padded["input_ids"].shape[1] - shape[1]))
     padded["cu_seqlens"] = cu_seqlens_from_position_ids(padded["position_ids"])
     out: dict[str, Any] = shard_sequence_tensors(padded, cp_rank, cp_size, ulysses_size)
     if shifted is not None:

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor, nn
 
 from ringft.loss.head import lm_loss_from_hidden
+from ringft.loss.router import RouterLoss, load_balancing_loss, router_loss_settings
+from ringft.model.patch import ring_spec
 from ringft.model.unwrap import decoder, pretrained_model
 
-__all__ = ["CausalLMLoss", "causal_lm_loss"]
+__all__ = ["CausalLMLoss", "causal_lm_loss", "cp_load_balancing_loss"]
 
 
 class CausalLMLoss(nn.Module):
@@ -87,10 +89,35 @@ def causal_lm_loss(
     chunked: bool,
     chunk_size: int,
     offload_activations: bool,
+    router_rows: Tensor | None = None,
+    router_scale: float | Tensor = 1,
 ) -> Tensor:
     """``sum of the token losses of (batch, seq_local) inputs / num_items_in_batch`` (fp32 scalar)
     of a causal LM (peft-wrapped or not): the one loss path of :class:`CausalLMLoss` and of
-    ``ringft.RingTrainerMixin`` (see :class:`CausalLMLoss` for the arguments)."""
+    ``ringft.RingTrainerMixin`` (see :class:`CausalLMLoss` for the arguments).
+
+    A mixture-of-experts LM whose transformers forward adds the router load-balancing loss
+    (``config.output_router_logits``; :func:`ringft.loss.router.router_loss_settings`) gets this
+    rank's share of it too: ``router_aux_loss_coef x aux / cp``, ``aux`` over the CP group's whole
+    sequence (:mod:`ringft.loss.router`); ``router_rows`` ``(batch, seq_local)``: the rows it
+    counts (the one-process batch's attention mask; None: every row); ``router_scale`` multiplies
+    that term (an evaluation that divides the summed loss by its token count later passes it)."""
+    router = router_loss_settings(model)
+    if router is not None:
+        return _with_router_loss(
+            model,
+            router,
+            input_ids,
+            position_ids,
+            shift_labels,
+            num_items_in_batch,
+            cu_seqlens=cu_seqlens,
+            chunked=chunked,
+            chunk_size=chunk_size,
+            offload_activations=offload_activations,
+            router_rows=router_rows,
+            router_scale=router_scale,
+        )
     documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
     # (wrapping the loss too would copy the lm_head weight to CPU every step).
@@ -116,3 +143,59 @@ def causal_lm_loss(
             **documents,
         )
     return out.loss
+
+
+def _with_router_loss(
+    model: nn.Module,
+    router: RouterLoss,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    shift_labels: Tensor,
+    num_items_in_batch: Tensor | int,
+    *,
+    cu_seqlens: list[list[int]] | None,
+    chunked: bool,
+    chunk_size: int,
+    offload_activations: bool,
+    router_rows: Tensor | None,
+    router_scale: float | Tensor,
+) -> Tensor:
+    """:func:`causal_lm_loss` of an LM whose forward adds the load-balancing loss: the token-loss
+    share plus ``coef x aux / cp``. The unchunked path asks the LM for logits and router logits and
+    applies its own ``loss_function`` (its forward would add an ``aux`` of this rank's rows only)."""
+    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    offload = (
+        torch.autograd.graph.save_on_cpu(pin_memory=input_ids.is_cuda)
+        if offload_activations
+        else contextlib.nullcontext()
+    )
+    call = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
+    if chunked:
+        with offload:
+            out = decoder(model)(**call, **documents)
+        loss = lm_loss_from_hidden(
+            model, out.last_hidden_state, shift_labels, num_items_in_batch, chunk_size=chunk_size
+        )
+    else:
+        with offload:
+            out = model(**call, **documents)
+        lm = pretrained_model(model)
+        loss = lm.loss_function(
+            out.logits,
+            shift_labels,
+            lm.config.vocab_size,
+            num_items_in_batch=num_items_in_batch,
+            shift_labels=shift_labels,
+        )
+    aux, cp = cp_load_balancing_loss(model, router, out.router_logits, router_rows)
+    return loss + (router.coef * router_scale / cp) * aux.to(loss.dtype)
+
+
+def cp_load_balancing_loss(
+    model: nn.Module, router: RouterLoss, router_logits: Any, rows: Tensor | None
+) -> tuple[Tensor, int]:
+    """``(aux, cp)``: the load-balancing loss over the whole sequence of ``model``'s CP group (the
+    same on every rank) and the group's size (1 without the ring)."""
+    spec = ring_spec(model)
+    group, cp = (spec.group, spec.size) if spec is not None else (None, 1)
+    return load_balancing_loss(router_logits, router.num_experts, router.top_k, rows, group, cp), cp

@@ -22,18 +22,20 @@ Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next text models: ``linear=T
 :mod:`ringft.model.gated_deltanet`; their full-attention layers (q/k RMSNorm per head, an output
 gate, partial RoPE: all per token) go through the ring as every family's.
 
-Refused, because the ring cannot compute them exactly: attention-logit soft-capping (Gemma 2), a
-final-logit soft-cap (the chunked loss and RingInference project with the bare ``lm_head``),
-attention sinks (gpt-oss), bidirectional / non-causal layers, chunked-attention or non-attention
-layer types (linear-attention layers outside the hybrids above). Unknown model types need
-``allow_untested=True``; the refusals hold for them too.
+gpt-oss's attention sinks arrive as ``s_aux`` (one logit per query head) and are merged after the
+ring (:mod:`ringft.ops.sinks`). Refused, because the ring cannot compute them exactly:
+attention-logit soft-capping (Gemma 2), a final-logit soft-cap (the chunked loss and RingInference
+project with the bare ``lm_head``), bidirectional / non-causal layers, chunked-attention or
+non-attention layer types (linear-attention layers outside the hybrids above). Unknown model types
+need ``allow_untested=True``; the refusals hold for them too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from ringft.model.family_table import FAMILIES, Family
 
 if TYPE_CHECKING:  # no torch import at run time: the planner reads the table too
     from torch import nn
@@ -53,118 +55,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Family:
-    """One supported model family: its ``model_type``, its transformers classes, where its sliding
-    windows come from (``"none"``, ``"every_layer"``: ``config.sliding_window`` on each layer,
-    ``"layer_types"``: on the layers ``config.layer_types`` marks ``"sliding_attention"``), the
-    names of its attention projections (LoRA targets) and what reaches or surrounds attention.
-
-    Shape facts for the planner: ``qk_norm`` ``""`` / ``"head"`` (an RMSNorm over each head's
-    ``head_dim``) / ``"all"`` (over all heads' q or k, OLMo 2); ``qkv_bias`` (q/k/v projections
-    with bias, o_proj without: Qwen2); ``norms`` RMSNorms per decoder layer (Gemma 3: 4);
-    ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``); ``linear``: Gated DeltaNet layers where
-    ``config.layer_types`` says ``"linear_attention"``."""
-
-    model_type: str
-    label: str
-    classes: tuple[str, ...]
-    windows: str
-    attention_projections: tuple[str, ...]
-    notes: str
-    qk_norm: str = ""
-    qkv_bias: bool = False
-    norms: int = 2
-    fused: bool = False
-    linear: bool = False
-
-
-_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in (
-        Family("llama", "LLaMA 2 / 3.x", ("LlamaForCausalLM", "LlamaModel"), "none", _QKVO, "GQA"),
-        Family(
-            "mistral",
-            "Mistral",
-            ("MistralForCausalLM", "MistralModel"),
-            "every_layer",
-            _QKVO,
-            "GQA; sliding_window on every layer",
-        ),
-        Family(
-            "qwen2",
-            "Qwen2 / Qwen2.5",
-            ("Qwen2ForCausalLM", "Qwen2Model"),
-            "layer_types",
-            _QKVO,
-            "q/k/v bias; windows on layers >= max_window_layers when use_sliding_window",
-            qkv_bias=True,
-        ),
-        Family(
-            "qwen3",
-            "Qwen3",
-            ("Qwen3ForCausalLM", "Qwen3Model"),
-            "layer_types",
-            _QKVO,
-            "per-head q/k RMSNorm; head_dim != hidden/heads; windows as Qwen2",
-            qk_norm="head",
-        ),
-        Family(
-            "gemma3_text",
-            "Gemma 3 (text)",
-            ("Gemma3ForCausalLM", "Gemma3TextModel"),
-            "layer_types",
-            _QKVO,
-            "per-head q/k RMSNorm; scale query_pre_attn_scalar^-0.5; head_dim 256; local (sliding, own "
-            "RoPE base) and global layers per layer_types",
-            qk_norm="head",
-            norms=4,
-        ),
-        Family(
-            "phi3",
-            "Phi-3",
-            ("Phi3ForCausalLM", "Phi3Model"),
-            "every_layer",
-            ("qkv_proj", "o_proj"),
-            "fused qkv_proj; sliding_window on every layer",
-            fused=True,
-        ),
-        Family(
-            "olmo2",
-            "OLMo 2",
-            ("Olmo2ForCausalLM", "Olmo2Model"),
-            "none",
-            _QKVO,
-            "q/k RMSNorm over all heads; post-norms",
-            qk_norm="all",
-        ),
-        *(
-            Family(
-                model_type,
-                label,
-                classes,
-                "none",
-                _QKVO,
-                "Gated DeltaNet (linear_attention) layers with gated full-attention layers per layer_types; "
-                "per-head q/k RMSNorm; partial RoPE" + extra,
-                qk_norm="head",
-                linear=True,
-            )
-            for model_type, label, classes, extra in (
-                ("qwen3_5_text", "Qwen3.5 (text)", ("Qwen3_5ForCausalLM", "Qwen3_5TextModel"), ""),
-                (
-                    "qwen3_5_moe_text",
-                    "Qwen3.5-MoE (text)",
-                    ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel"),
-                    "; MoE MLPs",
-                ),
-                ("qwen3_next", "Qwen3-Next", ("Qwen3NextForCausalLM", "Qwen3NextModel"), "; MoE MLPs"),
-            )
-        ),
-    )
-}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -203,6 +93,8 @@ def layer_windows(config: Any) -> list[int | None]:
     if fam is None or fam.windows == "none" or window is None:
         return [None] * layers
     if fam.windows == "every_layer":
+        if isinstance(config, Mapping) and fam.model_type == "qwen3_moe" and not get("use_sliding_window"):
+            return [None] * layers  # Qwen3MoeConfig drops the window unless use_sliding_window
         return [window] * layers
     kinds = get("layer_types")
     if not kinds and fam.model_type in ("qwen2", "qwen3"):  # a config.json dict: Qwen2Config's rule
@@ -211,6 +103,14 @@ def layer_windows(config: Any) -> list[int | None]:
     if not kinds and fam.model_type == "gemma3_text":  # Gemma3TextConfig's rule: 5 local, 1 global
         pattern = get("sliding_window_pattern", 6)
         kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if not kinds and fam.model_type == "olmo3":  # Olmo3Config's rule: 3 sliding, 1 full
+        kinds = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    if fam.model_type == "smollm3" and not get("use_sliding_window", False):
+        return [None] * layers  # SmolLM3's attention passes a window only when use_sliding_window
+    if not kinds and fam.model_type == "smollm3":  # SmolLM3Config's rule: windows on the NoPE layers
+        interval = get("no_rope_layer_interval", 4)
+        rope = get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        kinds = ["full_attention" if r else "sliding_attention" for r in rope]
     kinds = list(kinds or ["full_attention"] * layers)
     return [window if kind == "sliding_attention" else None for kind in kinds]
 
@@ -242,13 +142,19 @@ def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
             f"final-logit soft-capping (config.final_logit_softcapping={final}; ringft's chunked loss and "
             "RingInference project with the lm_head alone)"
         )
-    if any(getattr(m, "sinks", None) is not None for m in modules):
-        found.append("attention sinks (the attention module's `sinks`, passed as s_aux)")
     if getattr(config, "use_bidirectional_attention", False) or any(not m.is_causal for m in modules):
         found.append("bidirectional (non-causal) attention layers (config.use_bidirectional_attention)")
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is not None:
         found.append(f"chunked attention (config.attention_chunk_size={chunk})")
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    gemma4 = getattr(config, "model_type", None) == "gemma4_text"
+    if gemma4 or shared or getattr(config, "attention_k_eq_v", False):
+        found.append(
+            "Gemma 4's per-layer attention (head dims per layer type via per_layer_config, "
+            f"num_kv_shared_layers={shared} layers reusing an earlier layer's K/V, attention_k_eq_v), "
+            "not verified on the ring"
+        )
     layer_problem = _layer_type_problem(config)
     if layer_problem:
         found.append(layer_problem)
@@ -309,17 +215,12 @@ def check_model(config: Any, modules: list[nn.Module], allow_untested: bool = Fa
 
 
 def call_problem(kwargs: Mapping[str, Any]) -> str | None:
-    """What an attention call asks for that the ring cannot do (``softcap``, ``s_aux`` sinks), or
-    None. Checked on every call: a model of an untested family may pass them."""
+    """What an attention call asks for that the ring cannot do (``softcap``), or None. Checked on
+    every call: a model of an untested family may pass it."""
     if kwargs.get("softcap") is not None:
         return (
             f"the attention call asks for logit soft-capping (softcap={kwargs['softcap']}), which zigzag "
             "ring attention does not compute: this model is not supported"
-        )
-    if kwargs.get("s_aux") is not None:
-        return (
-            "the attention call passes attention sinks (s_aux), which zigzag ring attention does not "
-            "compute: this model is not supported"
         )
     return None
 
@@ -346,6 +247,8 @@ def set_window(config: Any, window: int | None) -> None:
         raise ValueError(f"{name} has no sliding-window attention: use model.sliding_window: keep")
     if fam.windows == "every_layer":
         config.sliding_window = window
+        if hasattr(config, "use_sliding_window"):  # Qwen3-MoE
+            config.use_sliding_window = window is not None
         return
     kinds = list(getattr(config, "layer_types", None) or [])
     if fam.model_type == "gemma3_text":

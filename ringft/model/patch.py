@@ -149,6 +149,12 @@ def ring_attention_forward(
             f"attention dropout ({dropout}) is not supported by ring attention: set "
             "config.attention_dropout = 0.0"
         )
+    sinks = kwargs.get("s_aux")  # gpt-oss: merged after the ring (ringft.ops.sinks)
+    if sinks is not None and (ring_cache is not None or spec.groups is not None):
+        raise ValueError(
+            "attention sinks (s_aux) run on the plain ring only: RingInference and ulysses_size > 1 "
+            "do not compute them (use ulysses_size 1 and model.generate in one process)"
+        )
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
     if ring_cache is not None and ring_cache.is_filled(module.layer_idx):
         out = ring_cache.decode_attention(
@@ -175,6 +181,7 @@ def ring_attention_forward(
         sliding_window=sliding_window,  # transformers passes each layer's own (None: full attention)
         attention_tile_tokens=spec.attention_tile_tokens,
         store=None if spec.attention_checkpoint == "recompute" else active_store(),
+        **({} if sinks is None else {"sinks": sinks}),
     )
     if ring_cache is not None:
         ring_cache.store_prefill(module.layer_idx, k, v)
@@ -221,8 +228,8 @@ def apply_ring_attention(
     attention_tile_tokens: int | None = None,
     attention_checkpoint: str = "recompute",
 ) -> torch.nn.Module:
-    """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`: LLaMA, Mistral,
-    Qwen2/2.5, Qwen3, Gemma 3 text, Phi-3, OLMo 2) to zigzag ring attention over ``cp_group``.
+    """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`) to zigzag ring
+    attention over ``cp_group``.
 
     ``cp_group``: the CP process group (``None``: the default group), or, for 2D context
     parallelism (Ulysses x ring), the layout of :func:`ringft.ops.build_hybrid_layout` (or its

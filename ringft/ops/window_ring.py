@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ringft.ops.backends import BlockAttention
 from ringft.ops.dtypes import accumulator_dtype, no_autocast
+from ringft.ops.sinks import sink_gradient, sink_rescale
 from ringft.ops.window_blocks import RowGroups, backward_window_step, forward_window_step, local_blocks
 from ringft.ops.windows import WindowPlan
 
@@ -82,13 +83,27 @@ def _payload(k: Tensor, v: Tensor) -> Tensor:
 class _WindowedRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, softmax_scale, group, kernel: BlockAttention, rank, plan: WindowPlan, groups, kept
+        ctx,
+        q,
+        k,
+        v,
+        softmax_scale,
+        group,
+        kernel: BlockAttention,
+        rank,
+        plan: WindowPlan,
+        groups,
+        kept,
+        sinks,
     ):
         if kept is not None:  # a checkpoint's recompute: the forward's own out/lse (saved_attention)
             out, lse = kept
         else:
             out, lse = _ring_forward(q, k, v, softmax_scale, group, kernel, rank, plan, groups)
-        ctx.save_for_backward(q, k, v, out, lse)
+            if sinks is not None:  # after the merge (ringft.ops.sinks)
+                out, lse = sink_rescale(out, lse, sinks)
+            out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.softmax_scale, ctx.group, ctx.kernel, ctx.rank, ctx.plan, ctx.groups = (
             softmax_scale, group, kernel, rank, plan, groups,
         )  # fmt: skip
@@ -97,14 +112,15 @@ class _WindowedRingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         with no_autocast(q.device.type):
             dq, dk, dv = _ring_backward(ctx, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            dsinks = sink_gradient(dout, out, lse, sinks[0]) if sinks else None
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
 def _ring_forward(q, k, v, softmax_scale, group, kernel, rank, plan: WindowPlan, groups):
-    """``(out in q's dtype, lse)``: the local chunks, then each step's received chunks."""
+    """``(out fp32, lse)``: the local chunks, then each step's received chunks."""
     kw = dict(plan=plan, rank=rank, groups=groups, softmax_scale=softmax_scale)
     ex = _Exchange(group, plan, rank)
     payload = _payload(k, v).contiguous() if plan.steps else None
@@ -115,7 +131,7 @@ def _ring_forward(q, k, v, softmax_scale, group, kernel, rank, plan: WindowPlan,
         _Exchange.wait(posted)
         pending = _kv_step(ex, payload, step + 1, k) if step < plan.steps else None
         out, lse = forward_window_step(kernel, q, _blocks(received, plan.cp_size), out, lse, **kw)
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
@@ -174,10 +190,14 @@ def windowed_ring_attention(
     plan: WindowPlan,
     groups: RowGroups,
     kept: tuple[Tensor, Tensor] | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, 2c, Hq, D) in q's dtype, lse (B, Hq, 2c))`` of this rank's zigzag shard ``q``
     ``(B, 2c, Hq, D)`` against every rank's ``k``/``v`` ``(B, 2c, Hkv, D)`` within ``plan.window``
-    (and the documents of ``groups``); differentiable in q, k and v. Inputs already validated.
+    (and the documents of ``groups``), with attention ``sinks`` ``(Hq,)`` if given
+    (:mod:`ringft.ops.sinks`); differentiable in q, k, v and sinks. Inputs already validated.
     ``kept``: this call's out/lse from the forward (a checkpoint's recompute): the ring forward is
     skipped and they are saved for the backward as they are."""
-    return _WindowedRingAttention.apply(q, k, v, softmax_scale, group, kernel, rank, plan, groups, kept)
+    return _WindowedRingAttention.apply(
+        q, k, v, softmax_scale, group, kernel, rank, plan, groups, kept, sinks
+    )

@@ -24,8 +24,10 @@ from ringft.ops.backends import BACKENDS, BlockAttention, default_softmax_scale,
 from ringft.ops.comm import RingExchange, group_rank_and_size
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
+from ringft.ops.latent import pad_head_dims
 from ringft.ops.saved_attention import AttentionStore
 from ringft.ops.sharding import local_length_problem
+from ringft.ops.sinks import sink_gradient, sink_problems, sink_rescale
 from ringft.ops.tiles import tiled
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 from ringft.ops.window_blocks import row_groups
@@ -123,6 +125,7 @@ def validate_inputs(
     causal: bool = True,
     sliding_window: int | None = None,
     attention_tile_tokens: int | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Raise the same ``ValueError`` on every rank when any rank's inputs are unusable.
 
@@ -132,7 +135,7 @@ def validate_inputs(
     """
     problems = local_input_problems(q, k, v, backend, size)
     problems += _document_problems(q, cu_seqlens, causal, rank, size)
-    problems += _window_problems(sliding_window, causal, attention_tile_tokens)
+    problems += _window_problems(sliding_window, causal, attention_tile_tokens) + sink_problems(sinks, q)
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
     window = sliding_window if isinstance(sliding_window, int) and not problems else 0
     facts = (*shape, DTYPE_CODES.get(q.dtype, 0), offsets_checksum(cu_seqlens), window)
@@ -151,13 +154,16 @@ def validate_inputs(
 class _ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, causal, softmax_scale, group, kernel: BlockAttention, rank, size, documents, kept
+        ctx, q, k, v, causal, softmax_scale, group, kernel: BlockAttention, rank, size, documents, kept, sinks
     ):
         if kept is not None:  # a checkpoint's recompute: the forward's own out/lse (saved_attention)
             out, lse = kept
         else:
             out, lse = _ring_forward(q, k, v, causal, softmax_scale, group, kernel, rank, size, documents)
-        ctx.save_for_backward(q, k, v, out, lse)
+            if sinks is not None:  # after the merge: the sink needs nothing from other ranks
+                out, lse = sink_rescale(out, lse, sinks)
+            out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.causal, ctx.softmax_scale, ctx.group, ctx.kernel = causal, softmax_scale, group, kernel
         ctx.rank, ctx.size, ctx.documents = rank, size, documents
         ctx.mark_non_differentiable(lse)
@@ -165,14 +171,15 @@ class _ZigzagRingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         with no_autocast(q.device.type):
             dq, dk, dv = _ring_backward(ctx, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+            dsinks = sink_gradient(dout, out, lse, sinks[0]) if sinks else None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks
 
 
 def _ring_forward(q, k, v, causal, softmax_scale, group, kernel, rank, size, documents):
-    """``(out in q's dtype, lse fp32)``: N steps of block attention while the next K/V is in flight."""
+    """``(out fp32, lse fp32)``: N steps of block attention while the next K/V is in flight."""
     ring = RingExchange(group) if size > 1 else None
     current = torch.stack([k, v]) if size > 1 else None  # K and V travel in one buffer
     spare = torch.empty_like(current) if size > 1 else None
@@ -196,7 +203,7 @@ def _ring_forward(q, k, v, causal, softmax_scale, group, kernel, rank, size, doc
         )
         if pending is not None:
             current, spare = pending.wait(), current
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
@@ -271,12 +278,14 @@ def zigzag_ring_attention(
     sliding_window: int | None = None,
     attention_tile_tokens: int | None = None,
     store: AttentionStore | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence zigzag-sharded across the ranks of ``group``.
 
     Args:
         q: ``(batch, seq_local, heads_q, head_dim)``, this rank's chunks ``r`` and ``2N-1-r``.
-        k, v: ``(batch, seq_local, heads_kv, head_dim)``, ``heads_q % heads_kv == 0`` (GQA/MQA).
+        k, v: ``(batch, seq_local, heads_kv, head_dim)``, ``heads_q % heads_kv == 0`` (GQA/MQA); v's
+            head dim may differ from q/k's (latent attention: zero-padded, :mod:`ringft.ops.latent`).
         causal: causal (True) or bidirectional (False) attention over the global sequence.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         group: the context-parallel process group (default: the world group; N = 1 needs no
@@ -303,6 +312,9 @@ def zigzag_ring_attention(
         store: under activation checkpointing, the checkpointed call's
             :class:`~ringft.ops.saved_attention.AttentionStore` (:func:`active_store`): the forward
             keeps its out/lse there and the recompute takes them back instead of running the ring.
+        sinks: attention sinks ``(heads_q,)`` (gpt-oss): one learned logit per query head in every
+            row's softmax denominator, differentiable (:mod:`ringft.ops.sinks`); the returned lse
+            then includes it.
 
     Returns:
         ``out`` ``(batch, seq_local, heads_q, head_dim)`` in q's dtype (the autocast dtype under
@@ -310,23 +322,34 @@ def zigzag_ring_attention(
     """
     rank, size = group_rank_and_size(group)
     q, k, v = follow_autocast(q, k, v)  # like scaled_dot_product_attention
+    if q.dim() == k.dim() == v.dim() == 4 and v.shape[-1] != k.shape[-1] and k.shape[:3] == v.shape[:3]:
+        scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+        q, k, v, dv = pad_head_dims(q, k, v)  # latent attention (ringft.ops.latent)
+        res = zigzag_ring_attention(
+            q, k, v, causal=causal, softmax_scale=scale, group=group, backend=backend, return_lse=True,
+            validate=validate, cu_seqlens=cu_seqlens, sliding_window=sliding_window, sinks=sinks,
+            attention_tile_tokens=attention_tile_tokens, store=store,
+        )  # fmt: skip
+        return (res[0][..., :dv], res[1]) if return_lse else res[0][..., :dv]
     if validate:
         validate_inputs(
             q, k, v, backend, group, rank, size, cu_seqlens=cu_seqlens, causal=causal,
-            sliding_window=sliding_window, attention_tile_tokens=attention_tile_tokens,
+            sliding_window=sliding_window, attention_tile_tokens=attention_tile_tokens, sinks=sinks,
         )  # fmt: skip
     else:
         problems = local_input_problems(q, k, v, backend, size) + _document_problems(
             q, cu_seqlens, causal, rank, size
         )
-        problems += _window_problems(sliding_window, causal, attention_tile_tokens)
+        problems += _window_problems(sliding_window, causal, attention_tile_tokens) + sink_problems(sinks, q)
         if problems:
             raise ValueError(f"zigzag_ring_attention: rank {rank}: " + "; ".join(problems))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     kept = store.replay(q) if store is not None else None
     if sliding_window is not None and sliding_window < q.shape[1] * size:  # else: every key is in it
         window, tile = sliding_window, attention_tile_tokens
-        out, lse = _windowed(q, k, v, scale, group, backend, rank, size, window, cu_seqlens, tile, kept)
+        out, lse = _windowed(
+            q, k, v, scale, group, backend, rank, size, window, cu_seqlens, tile, kept, sinks
+        )
     else:
         documents = cu_seqlens
         if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
@@ -334,7 +357,7 @@ def zigzag_ring_attention(
         kernel = tiled(get_backend(backend, q.device, q.dtype, q.shape[-1]), attention_tile_tokens)
         with no_autocast(q.device.type):
             out, lse = _ZigzagRingAttention.apply(
-                q, k, v, causal, scale, group, kernel, rank, size, documents, kept
+                q, k, v, causal, scale, group, kernel, rank, size, documents, kept, sinks
             )
     if store is not None and kept is None:
         store.record(out, lse)
@@ -342,7 +365,7 @@ def zigzag_ring_attention(
 
 
 def _windowed(
-    q, k, v, scale, group, backend, rank, size, window, cu_seqlens, tile, kept
+    q, k, v, scale, group, backend, rank, size, window, cu_seqlens, tile, kept, sinks
 ) -> tuple[Tensor, Tensor]:
     """The sliding-window schedule (:mod:`ringft.ops.window_ring`) on validated inputs."""
     cu_rows = cu_seqlens
@@ -354,5 +377,5 @@ def _windowed(
     kernel = tiled(get_backend(backend, q.device, q.dtype, q.shape[-1]), tile)
     with no_autocast(q.device.type):
         return windowed_ring_attention(
-            q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0]), kept
+            q, k, v, scale, group, kernel, rank, plan, row_groups(cu_rows, q.shape[0]), kept, sinks
         )

@@ -48,6 +48,10 @@ class ModelShape:
     norms: int = 2  # RMSNorms per decoder layer (Gemma 3: 4)
     fused: bool = False  # qkv_proj and gate_up_proj (Phi-3)
     windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full attention)
+    # sparse MoE MLP (Mixtral, Qwen3-MoE): ``experts`` of width ``expert_intermediate`` each, a router
+    # ``h x experts``; ``intermediate`` is then the per-token width, ``experts_per_token * width``
+    experts: int = 0
+    expert_intermediate: int = 0
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -63,6 +67,8 @@ class ModelShape:
                 text.setdefault("model_type", f"{get('model_type')}_text")
             return cls.from_config(text, name=name or get("_name_or_path"))
         family = FAMILIES.get(get("model_type"))
+        if get("kv_lora_rank") is not None:
+            raise ValueError("the planner does not model latent attention (DeepSeek-V3's kv_lora_rank) yet")
         missing = [k for k in _REQUIRED if get(k) is None]
         if missing:
             raise ValueError(
@@ -72,10 +78,11 @@ class ModelShape:
         try:
             hidden = int(get("hidden_size"))
             heads = int(get("num_attention_heads"))
+            experts, width, intermediate = _moe(get) if family and family.moe else (0, 0, None)
             shape = cls(
                 name=name or str(get("_name_or_path") or get("model_type") or "model"),
                 hidden=hidden,
-                intermediate=int(get("intermediate_size")),
+                intermediate=intermediate or int(get("intermediate_size")),
                 layers=int(get("num_hidden_layers")),
                 heads=heads,
                 kv_heads=int(get("num_key_value_heads") or heads),
@@ -89,6 +96,8 @@ class ModelShape:
                 norms=family.norms if family else 2,
                 fused=bool(family and family.fused),
                 windows=tuple(layer_windows(config)),
+                experts=experts,
+                expert_intermediate=width,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(
@@ -148,7 +157,12 @@ class ModelShape:
     def layer_params(self) -> int:
         """One decoder layer: ``h*nh*d + 2*h*nkv*d + nh*d*h + 3*h*i + norms*h`` (+ biases, + q/k
         norm weights)."""
-        n = sum(a * b for a, b in self.linear_shapes().values()) + self.norms * self.hidden
+        shapes = self.linear_shapes()
+        if self.experts:  # the experts' gate, up and down projections and the router
+            shapes = {k: v for k, v in shapes.items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            shapes["experts"] = (self.experts * 3 * self.hidden, self.expert_intermediate)
+            shapes["router"] = (self.hidden, self.experts)
+        n = sum(a * b for a, b in shapes.values()) + self.norms * self.hidden
         if self.attention_bias:
             n += (self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden
         elif self.qkv_bias:
@@ -175,10 +189,22 @@ class ModelShape:
     def lora_params(self, rank: int, targets: Iterable[str] = DEFAULT_LORA_TARGETS) -> int:
         """``L * sum over targets of r * (in + out)`` (A is ``r x in``, B is ``out x r``)."""
         shapes = self.linear_shapes()
+        if self.experts:  # the experts are not nn.Linear modules
+            shapes = {k: v for k, v in shapes.items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")}
         unknown = [t for t in targets if t not in shapes]
         if unknown:
             raise ValueError(f"unknown LoRA target(s) {unknown}; choose from {', '.join(shapes)}")
         return self.layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
+def _moe(get) -> tuple[int, int, int]:
+    """``(experts, expert width, per-token width)`` of a MoE config; a Qwen3-MoE config with dense
+    layers (``mlp_only_layers``, ``decoder_sparse_step > 1``) is refused: not modelled."""
+    if get("mlp_only_layers") or int(get("decoder_sparse_step") or 1) != 1:
+        raise ValueError("the planner models MoE configs whose every layer is sparse (mlp_only_layers: [])")
+    experts = int(get("num_experts") or get("num_local_experts"))
+    width = int(get("moe_intermediate_size") or get("intermediate_size"))
+    return experts, width, int(get("num_experts_per_tok")) * width
 
 
 def load_model_shape(model: Any) -> ModelShape:

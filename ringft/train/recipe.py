@@ -54,7 +54,7 @@ class ModelConfig(Section):
     NAME = "model"
     name_or_path: str | None = text(None, optional=True)  # hub name or local path of a pretrained model
     config: dict[str, Any] | None = None  # or: build from this config (LlamaConfig kwargs) from scratch
-    # with `config`: llama | mistral | qwen2 | qwen3 | gemma3_text | phi3 | olmo2
+    # with `config`: a model type of ringft.model.families.FAMILIES
     model_type: str = choice("llama", MODEL_TYPES)
     tokenizer: str | None = text(None, optional=True)  # default name_or_path; "demo" = shipped tokenizer
     rope_theta: float | None = number(None, gt=0, optional=True)  # raise RoPE theta (context extension)

@@ -5,7 +5,9 @@ hands (or does around) the attention call: Llama 3.1's ``llama3`` RoPE (LLaMA), 
 YaRN (Qwen2.5's long-context config), per-head q/k norm and ``head_dim != hidden / heads`` (Qwen3),
 ``query_pre_attn_scalar``, head_dim 32 with hidden 64 / 4 heads, local and global layers with their
 own RoPE bases and linear scaling on the global layers (Gemma 3, as its 4B/12B configs), a fused
-``qkv_proj`` (Phi-3), q/k norm over all heads (OLMo 2).
+``qkv_proj`` (Phi-3), q/k norm over all heads (OLMo 2), a sparse MoE MLP (Qwen3-MoE; Mixtral with
+a window), attention sinks with sliding + full layers (gpt-oss), sliding + full layers (OLMo 3), a
+windowed NoPE layer (SmolLM3), queries scaled by their position (Ministral 3).
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ GEMMA3_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
 }
+# Ministral 3 scales its queries by 1 + beta * log(1 + floor(position / original)): a short
+# original length so the scale changes inside the tiny sequences.
+MINISTRAL3_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10_000.0,
+    "llama_4_scaling_beta": 0.5,
+    "original_max_position_embeddings": 8,
+}
+MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}  # 4 experts, 2 per token
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": (
         "llama",
@@ -61,6 +72,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
+    "deepseek_v3": (  # latent attention: q/k head dim 16 + 8, v head dim 12; 1 dense + 1 MoE layer
+        "deepseek_v3",
+        {
+            "num_key_value_heads": 4,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 24,
+            **MOE,
+            "n_routed_experts": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+        },
+    ),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 24, **MOE, "num_experts": 4, "moe_intermediate_size": 32}),
 }
 # Windows per family: the layers that get the window, as transformers' modeling code passes it.
 WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
@@ -77,6 +107,21 @@ WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": GEMMA3_ROPE,
         },
     ),
+    "olmo3": ("olmo3", {"layer_types": ["sliding_attention", "full_attention"]}),
+    # layer 1 is a NoPE layer, and SmolLM3 windows only its NoPE layers
+    "smollm3": ("smollm3", {"use_sliding_window": True, "no_rope_layer_interval": 2}),
+    "ministral3": ("ministral3", {"rope_parameters": MINISTRAL3_ROPE}),
+    "mixtral": ("mixtral", {**MOE, "num_local_experts": 4}),
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            **MOE,
+            "num_local_experts": 4,
+            "head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    ),
 }
 
 
@@ -89,7 +134,17 @@ def tiny_family(model_type: str, dtype: torch.dtype = torch.float64, seed: int =
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    if is_moe(model):
+        model.set_experts_implementation("eager")  # the grouped kernels have no fp64 on CPU
     return model.eval()
+
+
+def is_moe(model) -> bool:
+    """Whether ``model`` has a sparse mixture-of-experts MLP."""
+    from ringft.model.families import family_of
+
+    fam = family_of(model.config)
+    return bool(fam and fam.moe)
 
 
 def family_model(name: str, dtype: torch.dtype = torch.float64, **overrides: Any):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.ops.spawn import run_distributed
+from tests.loss.router_cases import ROUTER_FAMILIES, router_run
 from tests.model.family_models import COMMON, VOCAB, WINDOWED, family_model, windowed_model
 
 EPS64, EPS32 = torch.finfo(torch.float64).eps, torch.finfo(torch.float32).eps
@@ -42,14 +43,18 @@ HID, INTER, LAYERS = COMMON["hidden_size"], COMMON["intermediate_size"], COMMON[
 PATH = LAYERS * (HID + SEQ + 32 + 128 + HID + INTER) + HID
 BOUNDS = {"logits": PATH * EPS64, "loss": (PATH + VOCAB + SEQ) * EPS64, "grad": 2 * PATH * EPS64}
 BOUNDS["decode"] = BOUNDS["logits"] + EPS32  # RingInference returns fp32 logits: one more rounding
-# Gemma's RMSNorm weights get their gradient as an fp32 sum over the batch's tokens (transformers
-# computes those norms in fp32), which the ring splits across ranks: recursive fp32 summation of
-# <= 3 * SEQ terms.
+# Gemma's RMSNorm weights (and DeepSeek-V3's router) get their gradient as an fp32 sum over the
+# batch's tokens (transformers computes them in fp32), which the ring splits across ranks:
+# recursive fp32 summation of <= 3 * SEQ terms.
 BOUNDS["grad32"] = 3 * SEQ * EPS32
 WINDOWS = (1, 3, 13, 40)  # 1: itself only; 3 < every chunk; 13 straddles chunk edges; 40 > a chunk
 PACKED = ([19, 13, 9, 5], 48)  # documents across and on chunk edges, one packed row of 48
 DECODE_PROMPT, DECODE_NEW, DECODE_WINDOW = 30, 12, 8
 CP_SIZES = (1, 2, 3, 4)
+# Families whose attention call is one already covered at every CP size (or, for gpt-oss's sinks,
+# covered at CP 2-4 by tests/ops/test_sinks.py) run at CP 3 only: an odd ring, uneven chunks.
+ODD_ONLY = ("olmo3", "smollm3", "ministral3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+ROUTER_SIZES = (2, 3)  # the router load-balancing loss over the ring (tests/loss/router_cases.py)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,10 @@ class Case:
     kind: str
     build: tuple  # ("family", name) | ("windowed", name, window) | ("lora", name)
     seed: int
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (3,) if self.build[1] in ODD_ONLY else CP_SIZES
 
     def model(self):
         if self.build[0] == "family":
@@ -78,16 +87,18 @@ class Case:
 def _cases() -> list[Case]:
     # full attention on every layer; Qwen2/3's and Gemma 3's full layers also run in the windowed
     # cases below (layer 0, resp. 1), with the same configs otherwise
-    plain = ("qwen2-yarn", "phi3", "olmo2", "llama3")
+    plain = ("qwen2-yarn", "phi3", "olmo2", "llama3", "deepseek_v3")  # Qwen3-MoE: packed, below
     cases = [Case(name, "padded", ("family", name), i) for i, name in enumerate(plain)]
     # every window on Gemma 3 (a local and a global layer); a straddling one on every other family
     cases += [Case(f"gemma3-w{w}", "padded", ("windowed", "gemma3", w), 10 + w) for w in WINDOWS]
     cases += [
         Case(f"{name}-w13", "padded", ("windowed", name, 13), 60 + i)
-        for i, name in enumerate(n for n in WINDOWED if n != "gemma3")
+        for i, name in enumerate(n for n in WINDOWED if n not in ("gemma3", "gpt_oss"))
     ]
-    for i, name in enumerate(("gemma3", "mistral")):
+    # gpt-oss (sinks, a sliding and a full layer) runs here only: its eager experts are slow
+    for i, name in enumerate(("gemma3", "mistral", "gpt_oss")):
         cases.append(Case(f"{name}-packed-w7", "packed", ("windowed", name, 7), 70 + i))
+    cases.append(Case("qwen3_moe-packed", "packed", ("family", "qwen3_moe"), 75))
     cases.append(Case("phi3-lora", "padded", ("lora", "phi3"), 80))
     for name in ("gemma3", "qwen2"):
         cases.append(Case(f"{name}-decode-w{DECODE_WINDOW}", "decode", ("windowed", name, DECODE_WINDOW), 90))
@@ -115,8 +126,10 @@ def _ce(logits: torch.Tensor, shift_labels: torch.Tensor, count: int) -> torch.T
 
 def _fp32_parameters(model) -> set[str]:
     """Parameters whose gradient transformers accumulates in fp32 even in an fp64 model: Gemma's
-    RMSNorm weights (``x.float() * (1 + weight.float())``)."""
-    return {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Gemma3RMSNorm"}
+    RMSNorm weights (``x.float() * (1 + weight.float())``), DeepSeek-V3's router weight
+    (``linear(x.float(), weight.float())``)."""
+    fp32 = ("Gemma3RMSNorm", "DeepseekV3TopkRouter")  # DeepSeek-V3's router: fp32 logits
+    return {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ in fp32}
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -156,6 +169,11 @@ def _oracles(case: Case) -> dict:
     out = {}
     for name in ("eager", "sdpa"):
         model = case.model()
+        if name == "sdpa" and not model._supports_sdpa:
+            # gpt-oss has no sdpa path; its eager attention (sinks included) computes in the model's
+            # dtype, fp64: it is the fp64 oracle, and the eager-vs-sdpa spread is 0
+            out[name] = out["eager"]
+            continue
         model.set_attn_implementation(name)
         out[name] = _decode_oracle(model, case) if case.kind == "decode" else _run(model, case)
     return out
@@ -249,10 +267,17 @@ def families_worker(rank: int, world: int, oracle_path: str) -> dict[str, float]
         group = dist.new_group(list(range(size)))  # every rank takes part in creating each group
         if rank < size:
             for case in _cases():
-                got = _ring(case, group, rank, size)
-                errors.update(
-                    _compare(f"cp{size}/{case.tag}", got, oracles[case.tag], got.get("fp32", set()))
-                )
+                if size in case.sizes:
+                    got = _ring(case, group, rank, size)
+                    errors.update(
+                        _compare(f"cp{size}/{case.tag}", got, oracles[case.tag], got.get("fp32", set()))
+                    )
+            for name in ROUTER_FAMILIES if size in ROUTER_SIZES else ():
+                got, want = router_run(name, rank, size, group), oracles[f"router/{name}"]
+                tag = f"cp{size}/router-{name}/sdpa"
+                errors[f"{tag}/loss"] = abs((got["loss"] - want["loss"]) / want["loss"]).item()
+                grad_errors = _grad_errors(got["grads"], want["grads"], set())
+                errors.update({f"{tag}/{k}": v for k, v in grad_errors.items()})
         dist.barrier()
     return errors
 
@@ -260,6 +285,7 @@ def families_worker(rank: int, world: int, oracle_path: str) -> dict[str, float]
 @pytest.fixture(scope="module")
 def oracle_path(tmp_path_factory) -> str:
     oracles = {case.tag: _oracles(case) for case in _cases()}  # one thread (tests/conftest.py)
+    oracles.update({f"router/{name}": router_run(name) for name in ROUTER_FAMILIES})
     path = tmp_path_factory.mktemp("families") / "oracles.pt"
     torch.save(oracles, path)
     return str(path)
@@ -271,7 +297,8 @@ def _check(errors: dict[str, float]) -> None:
         if what == "tokens":
             assert err == 0.0, f"{tag}: RingInference's tokens differ from model.generate"
         elif oracle != "spread":
-            bound = BOUNDS[what] + (2 * errors[f"{tag}/spread/{what}"] if oracle == "eager" else 0.0)
+            spread = errors.get(f"{tag}/spread/{what}", 0.0)  # the router runs have one oracle
+            bound = BOUNDS[what] + (2 * spread if oracle == "eager" else 0.0)
             assert err <= bound, f"{key}: {err:.2e} > {bound:.1e}"
 
 

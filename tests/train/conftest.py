@@ -92,6 +92,7 @@ def hf_two(hf_root) -> dict[str, dict]:
         {
             "one-sft": spec(f"{r}/one-sft", kind="sft", evaluate=True),
             "one-lora": spec(f"{r}/one-lora", lora=True),
+            "one-moe": spec(f"{r}/one-moe", moe=True, evaluate=True),
             "inert": spec(f"{r}/inert", mixin=True, cp=1),
             "zero3-one": spec(
                 f"{r}/z1", kind="script", argv=zero3_argv(str(r / "tiny"), str(r / "zero3-one"))
@@ -109,6 +110,7 @@ def hf_two(hf_root) -> dict[str, dict]:
         "cp-epoch": spec(f"{r}/cp-epoch", **ring, steps=0, rows=21),
         "cp-sft": spec(f"{r}/cp-sft", kind="sft", **ring, evaluate=True),
         "cp-lora": spec(f"{r}/cp-lora", **ring, lora=True),
+        "cp-moe": spec(f"{r}/cp-moe", **ring, moe=True, evaluate=True),
         "cp-left-padded": spec(f"{r}/cp-left", **ring, collate="left"),
         "fsdp": spec(f"{r}/fsdp", kind="fsdp"),
     }

@@ -43,7 +43,8 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
     (ulysses_size: cp = ulysses x ring), ``steps`` (max_steps; 0: one epoch), ``mb``, ``ga``, ``gc``
     (activation checkpointing), ``attn`` (the mixin's attention_checkpoint), ``lora``, ``avg``
     (average_tokens_across_devices), ``save`` (save_steps), ``resume`` (a checkpoint folder),
-    ``evaluate``, ``predict``, ``collate`` (right | left padding), ``rows`` (training examples)."""
+    ``evaluate``, ``predict``, ``collate`` (right | left padding), ``rows`` (training examples),
+    ``moe`` (a tiny Qwen3-MoE with its router load-balancing loss on instead of the LLaMA)."""
     base = dict(
         kind="trainer",
         mixin=False,
@@ -62,6 +63,7 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
         predict=False,
         collate="right",
         rows=48,
+        moe=False,
         argv=None,
         out=out,
     )
@@ -76,6 +78,35 @@ def tokenizer():
     tok = load_tokenizer("demo")
     tok.padding_side = "right"
     return tok
+
+
+def tiny_moe(tok) -> torch.nn.Module:
+    """A 2-layer Qwen3-MoE (4 experts, 2 per token) of the tiny shape, ``output_router_logits`` on
+    with ``router_aux_loss_coef`` 0.5 (the term is ~10 % of the loss), eager experts, fp32."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=256,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    model.set_experts_implementation("eager")
+    return model
 
 
 def tiny_model(tok, lora: bool) -> torch.nn.Module:
@@ -209,7 +240,7 @@ def run(s: dict[str, Any]) -> dict[str, Any]:
 
         return fsdp_steps()
     tok = tokenizer()
-    model = tiny_model(tok, s["lora"])
+    model = tiny_moe(tok) if s["moe"] else tiny_model(tok, s["lora"])
     trainer = _trainer(s, tok, model)
     initial = _weights(trainer.model)
     out: dict[str, Any] = {}

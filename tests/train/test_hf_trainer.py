@@ -82,6 +82,17 @@ def test_lora(hf_two):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
+def test_moe_router_loss_matches_one_process(hf_two):
+    """A Qwen3-MoE with ``output_router_logits``: the logged loss (token loss + 0.5 x the router
+    load-balancing loss over the attention mask's rows of the whole batch) and the update at cp=2
+    == one process. Leaving the term out, counting it per rank or over the ring's padding moves
+    the loss by whole per cents. ``evaluate()``'s loss includes the term too, as transformers' does."""
+    assert_same_training(hf_two["cp-moe"], hf_two["one-moe"])
+    assert hf_two["cp-moe"]["eval_loss"] == pytest.approx(hf_two["one-moe"]["eval_loss"], rel=LOSS_RTOL)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(600)
 def test_sft_packing_matches_one_process(hf_two):
     """SFTTrainer(packing=True) (bfd, padding-free: restarting position_ids, varlen keys) with cp=2
     == one process on the same packed batches, documents masked apart. Regression test of axolotl

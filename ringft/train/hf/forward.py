@@ -30,7 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringft.data.hf_batch import RING_ROWS
 from ringft.loss import causal_lm_loss
+from ringft.loss.module import cp_load_balancing_loss
+from ringft.loss.router import router_loss_settings
 from ringft.model.inputs import OFFSETS
 from ringft.model.unwrap import pretrained_model
 from ringft.ops.cp_sharding import cp_gather
@@ -47,6 +50,7 @@ __all__ = [
 
 RING_LOSS = "ringft_loss"
 RING_LOSS_SCALE = "ringft_loss_scale"
+RING_ROUTER_SCALE = "ringft_router_scale"  # multiplies a router load-balancing term (evaluation)
 _LAST_LOSS = "_ringft_last_loss"  # the forward's fp32 scaled loss (detached), on the causal LM
 IGNORE_INDEX = -100
 
@@ -54,6 +58,11 @@ IGNORE_INDEX = -100
 def _offsets(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch's per-row global document offsets, as the ring's decoder keyword (if any)."""
     return {} if batch.get(OFFSETS) is None else {OFFSETS: batch[OFFSETS]}
+
+
+def _rows(batch: dict[str, Any]) -> dict[str, Any]:
+    """The rows a router load-balancing loss counts (:data:`ringft.data.hf_batch.RING_ROWS`), if any."""
+    return {} if batch.get(RING_ROWS) is None else {RING_ROWS: batch[RING_ROWS]}
 
 
 @dataclass
@@ -76,7 +85,12 @@ def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_a
 
     @functools.wraps(type(lm).forward)
     def ring_forward(
-        self, *args: Any, ringft_loss: bool = False, ringft_loss_scale: int | float = 1, **kwargs: Any
+        self,
+        *args: Any,
+        ringft_loss: bool = False,
+        ringft_loss_scale: int | float = 1,
+        ringft_router_scale: Any = 1,
+        **kwargs: Any,
     ) -> Any:
         if not ringft_loss:
             return self._ringft_previous_forward(*args, **kwargs)
@@ -91,6 +105,8 @@ def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_a
             chunked=True,
             chunk_size=s.chunk_size,
             offload_activations=s.offload_activations,
+            router_rows=kwargs.get(RING_ROWS),
+            router_scale=ringft_router_scale,
         )
         loss = loss * ringft_loss_scale if ringft_loss_scale != 1 else loss
         setattr(self, _LAST_LOSS, loss.detach())
@@ -124,18 +140,25 @@ def _ring_loss_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def ring_loss(
-    model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor | int, scale: int | float = 1
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    num_items: torch.Tensor | int,
+    scale: int | float = 1,
+    router_scale: Any = 1,
 ) -> torch.Tensor:
     """``scale x sum of this rank's token losses in batch / num_items`` through ``model`` (wrapped
-    or not): fp32, its value the forward's own even when a wrapper cast the output (the gradient
-    flows through the wrapper's output)."""
+    or not), plus ``scale x router_scale x`` this rank's share of a router load-balancing loss
+    (:func:`ringft.loss.causal_lm_loss`): fp32, its value the forward's own even when a wrapper
+    cast the output (the gradient flows through the wrapper's output)."""
     out = model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
         shift_labels=batch["shift_labels"],
         num_items_in_batch=num_items,
         **_offsets(batch),
+        **_rows(batch),
         **{RING_LOSS: True, RING_LOSS_SCALE: scale},
+        **({} if isinstance(router_scale, int) and router_scale == 1 else {RING_ROUTER_SCALE: router_scale}),
     )
     loss = out["loss"] if isinstance(out, dict) else out.loss
     exact = getattr(_ring_loss_model(model), _LAST_LOSS)
@@ -155,21 +178,26 @@ def _cp_sum(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     return x
 
 
-def eval_loss_sum(model: torch.nn.Module, batch: dict[str, Any], layout: ParallelLayout) -> torch.Tensor:
+def eval_loss_sum(
+    model: torch.nn.Module, batch: dict[str, Any], layout: ParallelLayout, router_scale: Any = 1
+) -> torch.Tensor:
     """The CP group's summed token loss of one eval batch (fp32 0-d, the same on every CP rank;
-    chunked, no logits)."""
+    chunked, no logits), plus ``router_scale x coef x aux`` for a model whose forward adds a router
+    load-balancing loss (pass the count the sum is divided by)."""
     with torch.no_grad():
         one = torch.ones((), dtype=torch.float32, device=batch["input_ids"].device)
-        return _cp_sum(ring_loss(model, batch, one).detach().float().reshape(1), layout)[0]
+        loss = ring_loss(model, batch, one, router_scale=router_scale)
+        return _cp_sum(loss.detach().float().reshape(1), layout)[0]
 
 
 def predict_logits(
-    model: torch.nn.Module, batch: dict[str, Any], layout: ParallelLayout, length: int
+    model: torch.nn.Module, batch: dict[str, Any], layout: ParallelLayout, length: int, router_scale: Any = 1
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full logits ``(batch, length, vocab)`` of an eval batch, gathered within the CP group and
     put back in sequence order (zigzag, or the Ulysses x ring layout of ``layout.ulysses_size``;
     the ring's padding cut off), and the CP group's summed token loss (None without
-    labels), computed from the local logits as transformers' loss computes it (fp32 upcast)."""
+    labels), computed from the local logits as transformers' loss computes it (fp32 upcast), plus
+    ``router_scale x coef x aux`` as :func:`eval_loss_sum`."""
     with torch.no_grad():
         out = model(
             input_ids=batch["input_ids"],
@@ -185,6 +213,11 @@ def predict_logits(
                 flat, batch["shift_labels"].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
             )
             loss_sum = _cp_sum(total.reshape(1), layout)[0]
+            router = router_loss_settings(model)
+            if router is not None:
+                logits = out["router_logits"] if isinstance(out, dict) else out.router_logits
+                aux, _ = cp_load_balancing_loss(model, router, logits, batch.get(RING_ROWS))
+                loss_sum = loss_sum + router.coef * router_scale * aux.float()
         ulysses = getattr(layout, "ulysses_size", 1)
         full = cp_gather(local.contiguous(), layout.cp_group, ulysses) if layout.cp_size > 1 else local
         return full[:, :length].contiguous(), loss_sum

@@ -291,7 +291,10 @@ class RingTrainerMixin:
         if prediction_loss_only:
             if not has_labels:
                 return None, None, None
-            return eval_loss_sum(model, inputs, layout) / counts.num_items * scale, None, None
-        logits, loss_sum = predict_logits(model, inputs, layout, int(inputs[RING_LENGTH]))
+            total = eval_loss_sum(model, inputs, layout, router_scale=counts.num_items / scale)
+            return total / counts.num_items * scale, None, None
+        logits, loss_sum = predict_logits(
+            model, inputs, layout, int(inputs[RING_LENGTH]), router_scale=counts.num_items / scale
+        )
         loss = None if loss_sum is None else loss_sum / counts.num_items * scale
         return loss, logits, inputs.get(RING_LABELS)
