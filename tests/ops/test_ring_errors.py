@@ -28,7 +28,8 @@ CASES = {
         "share one dtype",
     ),
     "shape": (
-        lambda r: (torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 8), "torch"),
+        # (v's head_dim may differ from k's: latent attention; its heads may not)
+        lambda r: (torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 1, 16), "torch"),
         "same shape",
     ),
     "backend": (lambda r: (*_qkv(), "triton"), "unknown backend"),
