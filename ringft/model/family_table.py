@@ -20,7 +20,9 @@ class Family:
     with bias, o_proj without: Qwen2); ``norms`` RMSNorms per decoder layer (Gemma 3: 4);
     ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``); ``moe`` (a sparse mixture-of-experts MLP
     with a router: its load-balancing loss is a statistic of the whole batch); ``linear``: Gated
-    DeltaNet layers where ``config.layer_types`` says ``"linear_attention"``."""
+    DeltaNet layers where ``config.layer_types`` says ``"linear_attention"``; ``chunked``: local
+    attention within ``attention_chunk_size`` tokens where ``config.layer_types`` says
+    ``"chunked_attention"`` (Llama 4; :mod:`ringft.model.chunked`)."""
 
     model_type: str
     label: str
@@ -34,6 +36,7 @@ class Family:
     fused: bool = False
     moe: bool = False
     linear: bool = False
+    chunked: bool = False
 
 
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -152,6 +155,18 @@ FAMILIES: dict[str, Family] = {
             "latent attention: q/k head dim (nope + rope) != v head dim, V zero-padded on the ring "
             "(ringft.ops.latent); sparse MoE MLP (per token) after dense layers",
             moe=True,
+        ),
+        Family(
+            "llama4_text",
+            "Llama 4 (text)",
+            ("Llama4ForCausalLM", "Llama4TextModel"),
+            "none",
+            _QKVO,
+            "chunked local attention on the RoPE layers (attention_chunk_size: chunk pieces as packed "
+            "documents); NoPE layers' query temperature from the global positions; L2 q/k norm (no weight); "
+            "MoE with a shared expert (sigmoid router, no aux loss in transformers)",
+            moe=True,
+            chunked=True,
         ),
         Family(
             "gpt_oss",

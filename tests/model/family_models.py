@@ -7,7 +7,8 @@ YaRN (Qwen2.5's long-context config), per-head q/k norm and ``head_dim != hidden
 own RoPE bases and linear scaling on the global layers (Gemma 3, as its 4B/12B configs), a fused
 ``qkv_proj`` (Phi-3), q/k norm over all heads (OLMo 2), a sparse MoE MLP (Qwen3-MoE; Mixtral with
 a window), attention sinks with sliding + full layers (gpt-oss), sliding + full layers (OLMo 3), a
-windowed NoPE layer (SmolLM3), queries scaled by their position (Ministral 3).
+windowed NoPE layer (SmolLM3), queries scaled by their position (Ministral 3), chunked local
+attention with a NoPE layer's query temperature (Llama 4).
 """
 
 from __future__ import annotations
@@ -88,6 +89,23 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "moe_intermediate_size": 32,
             "first_k_dense_replace": 1,
             "n_shared_experts": 1,
+        },
+    ),
+    # Llama 4: chunked layers 0 and 2 (chunks of 5 tokens: on no zigzag chunk edge), a NoPE layer 1
+    # whose query temperature changes every 4 positions, MoE (shared expert) on layer 1
+    "llama4": (
+        "llama4_text",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "attention_chunk_size": 5,
+            "no_rope_layers": [1, 0, 1],
+            "floor_scale": 4,
+            "attn_scale": 0.5,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 64,
+            "interleave_moe_layer_step": 2,
         },
     ),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 24, **MOE, "num_experts": 4, "moe_intermediate_size": 32}),
