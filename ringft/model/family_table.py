@@ -169,6 +169,16 @@ FAMILIES: dict[str, Family] = {
             chunked=True,
         ),
         Family(
+            "mistral4",
+            "Mistral 4",
+            ("Mistral4ForCausalLM", "Mistral4Model"),
+            "none",
+            ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+            "latent attention as DeepSeek-V3's (V zero-padded on the ring); queries scaled by position "
+            "(llama_4_scaling_beta, from the global position ids); sparse MoE MLP (per token)",
+            moe=True,
+        ),
+        Family(
             "gpt_oss",
             "gpt-oss",
             ("GptOssForCausalLM", "GptOssModel"),

@@ -54,7 +54,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "rope_parameters": {
                 "rope_type": "yarn",
-                "factor": 4.0,
+                "factor": 64.0,  # max_position_embeddings / original
                 "original_max_position_embeddings": 16,
                 "rope_theta": 10000.0,
             }
@@ -108,6 +108,27 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "interleave_moe_layer_step": 2,
         },
     ),
+    # Mistral 4: DeepSeek-V3's latent attention (q/k 16 + 8, v 12) with Ministral 3's query scaling
+    "mistral4": (
+        "mistral4",
+        {
+            "num_key_value_heads": 4,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 24,
+            **MOE,
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "rope_parameters": {  # YaRN (the default RoPE type ignores partial_rotary_factor)
+                **MINISTRAL3_ROPE,
+                "rope_type": "yarn",
+                "factor": 64.0,  # max_position_embeddings / original
+                "partial_rotary_factor": 8 / 24,
+            },
+        },
+    ),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 24, **MOE, "num_experts": 4, "moe_intermediate_size": 32}),
 }
 # Windows per family: the layers that get the window, as transformers' modeling code passes it.
@@ -151,7 +172,12 @@ def tiny_family(model_type: str, dtype: torch.dtype = torch.float64, seed: int =
     config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    if model_type == "mistral4":  # (not registered with AutoModelForCausalLM in transformers 5.24)
+        from transformers import Mistral4ForCausalLM
+
+        model = Mistral4ForCausalLM._from_config(config, dtype=dtype, attn_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     if is_moe(model):
         model.set_experts_implementation("eager")  # the grouped kernels have no fp64 on CPU
     return model.eval()

@@ -5,7 +5,8 @@ Tiny random models in fp64 (tests/model/family_models.py) on CP groups of 1, 2, 
 runs inside it): logits, loss and every parameter's gradient. Windows shorter than a chunk,
 straddling chunk edges and longer than a chunk; windows with packed documents; decoding with a
 window (RingInference vs ``model.generate``); Llama 4's chunked layers (chunks of 5 tokens, on no
-zigzag chunk edge) and its NoPE layer's query temperature, on padded rows and a packed row.
+zigzag chunk edge) and its NoPE layer's query temperature, on padded rows and a packed row; Mistral 4
+(latent attention, queries scaled by position) on a packed row.
 
 Oracles (unmodified transformers, one process, whole sequence; computed once, in the test process):
 
@@ -55,7 +56,9 @@ CP_SIZES = (1, 2, 3, 4)
 # Families whose attention call is one already covered at every CP size (or, for gpt-oss's sinks,
 # covered at CP 2-4 by tests/ops/test_sinks.py) run at CP 3 only: an odd ring, uneven chunks.
 # Llama 4's unpacked rows run at CP 3 (its packed row, chunks cut inside documents, at every size).
-ODD_ONLY = ("olmo3", "smollm3", "ministral3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "llama4")
+ODD_ONLY = (
+    "olmo3", "smollm3", "ministral3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "mistral4", "llama4"
+)  # fmt: skip
 ROUTER_SIZES = (2, 3)  # the router load-balancing loss over the ring (tests/loss/router_cases.py)
 
 
@@ -103,6 +106,7 @@ def _cases() -> list[Case]:
     cases.append(Case("qwen3_moe-packed", "packed", ("family", "qwen3_moe"), 75))
     cases += [Case("llama4", "padded", ("family", "llama4"), 3)]
     cases.append(Case("llama4-packed", "packed", ("family", "llama4"), 4))
+    cases.append(Case("mistral4-packed", "packed", ("family", "mistral4"), 6))
     cases.append(Case("phi3-lora", "padded", ("lora", "phi3"), 80))
     for name in ("gemma3", "qwen2"):
         cases.append(Case(f"{name}-decode-w{DECODE_WINDOW}", "decode", ("windowed", name, DECODE_WINDOW), 90))

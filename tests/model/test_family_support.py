@@ -158,7 +158,8 @@ def test_tiled_mlp_of_every_family_is_exact():
     from ringft.model.tiled_mlp import enable_tiled_mlp
 
     ids = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(0))
-    builds = [(family_model, (n,)) for n in FAMILY_CONFIGS if n not in ("qwen3_moe", "deepseek_v3")]
+    moe = ("qwen3_moe", "deepseek_v3", "mistral4")  # their sparse MLPs are not tiled
+    builds = [(family_model, (n,)) for n in FAMILY_CONFIGS if n not in moe]
     builds += [(windowed_model, (n, 5)) for n in ("olmo3", "smollm3", "ministral3")]
     for build, args in builds:
         name = args[0]

@@ -42,7 +42,10 @@ def test_multimodal_config_reads_its_text_decoder():
     assert shape.total_params == load_model_shape("gemma-3-4b").total_params
 
 
-@pytest.mark.parametrize("name", [*sorted(set(FAMILY_CONFIGS) - {"deepseek_v3"}), "mixtral", "gpt_oss"])
+LATENT = {"deepseek_v3", "mistral4"}  # latent attention: not modelled by the planner
+
+
+@pytest.mark.parametrize("name", [*sorted(set(FAMILY_CONFIGS) - LATENT), "mixtral", "gpt_oss"])
 def test_parameter_counts_equal_the_transformers_model(name):
     windowed = name in ("mixtral", "gpt_oss")
     model = windowed_model(name, 5, torch.float32) if windowed else family_model(name, torch.float32)
