@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ringft.model.chunked import chunk_problem
 from ringft.model.family_table import FAMILIES, Family
 
 if TYPE_CHECKING:  # no torch import at run time: the planner reads the table too
@@ -119,12 +120,13 @@ def _layer_type_problem(config: Any) -> str | None:
     kinds = getattr(config, "layer_types", None) or []
     fam = family_of(config)
     allowed = (*_LAYER_TYPES, "linear_attention") if fam is not None and fam.linear else _LAYER_TYPES
+    allowed = (*allowed, "chunked_attention") if fam is not None and fam.chunked else allowed
     odd = sorted({k for k in kinds if k not in allowed})
     if odd:
         return (
             f"layer_types {odd} (only full_attention and sliding_attention layers run on the ring; "
             "chunked or linear-attention layers are not supported, but the Gated DeltaNet layers of "
-            "qwen3_5_text, qwen3_5_moe_text and qwen3_next)"
+            "qwen3_5_text, qwen3_5_moe_text and qwen3_next and the chunked layers of llama4_text)"
         )
     return None
 
@@ -145,8 +147,11 @@ def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
     if getattr(config, "use_bidirectional_attention", False) or any(not m.is_causal for m in modules):
         found.append("bidirectional (non-causal) attention layers (config.use_bidirectional_attention)")
     chunk = getattr(config, "attention_chunk_size", None)
-    if chunk is not None:
+    fam = family_of(config)
+    if chunk is not None and not (fam is not None and fam.chunked):
         found.append(f"chunked attention (config.attention_chunk_size={chunk})")
+    elif fam is not None and fam.chunked:
+        found += [p for p in [chunk_problem(config)] if p]
     shared = getattr(config, "num_kv_shared_layers", 0)
     gemma4 = getattr(config, "model_type", None) == "gemma4_text"
     if gemma4 or shared or getattr(config, "attention_k_eq_v", False):
@@ -168,6 +173,12 @@ def _unsupported_type_message(model_type: Any) -> str:
         return (
             f"model type {model_type!r} (text + vision) is not supported by ringft: train its text decoder "
             f"(the *ForCausalLM of model type {text}); supported: {supported}"
+        )
+    if model_type == "llama4":
+        return (
+            "model type 'llama4' (Llama4ForConditionalGeneration: text + vision) is not supported by "
+            "ringft: train its text decoder as Llama4ForCausalLM (model type llama4_text, the "
+            f"checkpoint's text_config); supported: {supported}"
         )
     if model_type == "gemma3":
         return (

@@ -20,7 +20,9 @@ class Family:
     with bias, o_proj without: Qwen2); ``norms`` RMSNorms per decoder layer (Gemma 3: 4);
     ``fused`` (Phi-3's ``qkv_proj`` and ``gate_up_proj``); ``moe`` (a sparse mixture-of-experts MLP
     with a router: its load-balancing loss is a statistic of the whole batch); ``linear``: Gated
-    DeltaNet layers where ``config.layer_types`` says ``"linear_attention"``."""
+    DeltaNet layers where ``config.layer_types`` says ``"linear_attention"``; ``chunked``: local
+    attention within ``attention_chunk_size`` tokens where ``config.layer_types`` says
+    ``"chunked_attention"`` (Llama 4; :mod:`ringft.model.chunked`)."""
 
     model_type: str
     label: str
@@ -34,6 +36,7 @@ class Family:
     fused: bool = False
     moe: bool = False
     linear: bool = False
+    chunked: bool = False
 
 
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -151,6 +154,28 @@ FAMILIES: dict[str, Family] = {
             ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
             "latent attention: q/k head dim (nope + rope) != v head dim, V zero-padded on the ring "
             "(ringft.ops.latent); sparse MoE MLP (per token) after dense layers",
+            moe=True,
+        ),
+        Family(
+            "llama4_text",
+            "Llama 4 (text)",
+            ("Llama4ForCausalLM", "Llama4TextModel"),
+            "none",
+            _QKVO,
+            "chunked local attention on the RoPE layers (attention_chunk_size: chunk pieces as packed "
+            "documents); NoPE layers' query temperature from the global positions; L2 q/k norm (no weight); "
+            "MoE with a shared expert (sigmoid router, no aux loss in transformers)",
+            moe=True,
+            chunked=True,
+        ),
+        Family(
+            "mistral4",
+            "Mistral 4",
+            ("Mistral4ForCausalLM", "Mistral4Model"),
+            "none",
+            ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+            "latent attention as DeepSeek-V3's (V zero-padded on the ring); queries scaled by position "
+            "(llama_4_scaling_beta, from the global position ids); sparse MoE MLP (per token)",
             moe=True,
         ),
         Family(

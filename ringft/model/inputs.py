@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ringft.model.chunked import CHUNKS, POSITIONS, chunk_offsets, chunk_problem, chunk_size
 from ringft.model.rope import rope_problem
 from ringft.ops.cp_sharding import cp_position_ids, cp_unshard
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, cu_seqlens_from_position_ids, document_plan
@@ -206,6 +207,15 @@ def check_forward_inputs(spec: RingSpec, config, module: torch.nn.Module, args: 
     problems += [p for p in [rope_problem(config, spec.size)] if p]
     if kwargs.get("use_cache") is None:
         kwargs["use_cache"] = False
+    chunk = chunk_size(config)  # Llama 4's chunked layers
+    problems += [p for p in [chunk_problem(config)] if p]
+    if chunk is not None and cache is not None:
+        problems.append(
+            f"RingInference cannot decode chunked attention layers (attention_chunk_size={chunk}): generate "
+            "with model.generate in one process"
+        )
+    if getattr(config, "attn_temperature_tuning", False):  # Llama 4's NoPE layers: from global positions
+        kwargs[POSITIONS] = positions
     batch, seq_local, shapes = shape_problems(ids, positions, spec.size)
     offsets, documents = take_document_offsets(kwargs, batch, seq_local * spec.size, spec.size)
     if cache is not None and cache.is_prefilled:  # replicated one-token decode steps (RingInference)
@@ -230,4 +240,7 @@ def check_forward_inputs(spec: RingSpec, config, module: torch.nn.Module, args: 
         offsets = _offsets_from_positions(positions, spec)
     if offsets is not None:
         kwargs[DOCUMENTS] = _plan(offsets, seq_local * spec.size, batch, spec)
+    if chunk is not None:
+        whole = offsets if offsets is not None else [[0, seq_local * spec.size]] * batch
+        kwargs[CHUNKS] = _plan(chunk_offsets(whole, chunk), seq_local * spec.size, batch, spec)
     kwargs[CHECKED] = True

@@ -34,6 +34,7 @@ from ringft.model.attention_checkpoint import (
     prepare_attention_checkpoint,
     unwrap_checkpointing,
 )
+from ringft.model.chunked import prepare_chunked_attention, release_chunked_attention, ring_query_and_plan
 from ringft.model.gated_deltanet import (
     linear_attention_problem,
     prepare_linear_attention,
@@ -156,6 +157,7 @@ def ring_attention_forward(
             "do not compute them (use ulysses_size 1 and model.generate in one process)"
         )
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
+    q, documents = ring_query_and_plan(module, q, kwargs, kwargs.get(DOCUMENTS))  # Llama 4
     if ring_cache is not None and ring_cache.is_filled(module.layer_idx):
         out = ring_cache.decode_attention(
             module.layer_idx,
@@ -177,7 +179,7 @@ def ring_attention_forward(
         softmax_scale=scaling,
         backend=spec.backend,
         validate=not kwargs.get(CHECKED, False),
-        cu_seqlens=kwargs.get(DOCUMENTS),
+        cu_seqlens=documents,
         sliding_window=sliding_window,  # transformers passes each layer's own (None: full attention)
         attention_tile_tokens=spec.attention_tile_tokens,
         store=None if spec.attention_checkpoint == "recompute" else active_store(),
@@ -299,6 +301,7 @@ def apply_ring_attention(
     for module in attn_modules:
         module._ringft_ring = spec
     prepare_linear_attention(model, spec)
+    prepare_chunked_attention(attn_modules, config)
     pretrained.set_attn_implementation(ATTENTION_NAME)
     return model
 
@@ -314,6 +317,7 @@ def remove_ring_attention(model: torch.nn.Module) -> torch.nn.Module:
     for module in _attention_modules(model):
         module.__dict__.pop("_ringft_ring", None)
     release_linear_attention(model)
+    release_chunked_attention(_attention_modules(model))
     del pretrained._ringft_ring
     del pretrained._ringft_hook
     pretrained.set_attn_implementation(spec.previous_implementation or "sdpa")

@@ -31,10 +31,11 @@ __all__ = ["enable_tiled_mlp", "disable_tiled_mlp", "is_tiled_mlp", "mlp_modules
 _STATE = "_ringft_tiled_mlp"
 # The per-token gated MLPs (SwiGLU; Gemma 3: GeGLU; Phi-3: fused gate_up_proj) of the supported
 # families (ringft.model.families): each is a plain ``forward(x)``, independent per token.
-# The sparse MoE blocks (Mixtral, Qwen3-MoE) are not tiled (Qwen3-MoE's dense layers are).
+# The sparse MoE blocks (Mixtral, Qwen3-MoE) are not tiled (Qwen3-MoE's dense layers and Llama 4's
+# dense layers and shared experts are).
 _MLP_CLASSES = (
     "LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Phi3MLP", "Olmo2MLP", "Olmo3MLP",
-    "SmolLM3MLP", "Ministral3MLP", "Qwen3MoeMLP",
+    "SmolLM3MLP", "Ministral3MLP", "Qwen3MoeMLP", "Llama4TextMLP",
 )  # fmt: skip
 
 

@@ -52,6 +52,14 @@ class ModelShape:
     # ``h x experts``; ``intermediate`` is then the per-token width, ``experts_per_token * width``
     experts: int = 0
     expert_intermediate: int = 0
+    # Llama 4: a shared expert of this width beside the routed ones, and the layers with a dense MLP
+    # of width ``dense_intermediate`` instead (interleave_moe_layer_step > 1); gpt-oss: biases on the
+    # experts and the router (``expert_bias``) and one attention-sink logit per head (``sinks``)
+    shared_expert_intermediate: int = 0
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate: int = 0
+    expert_bias: bool = False
+    sinks: bool = False
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -78,7 +86,7 @@ class ModelShape:
         try:
             hidden = int(get("hidden_size"))
             heads = int(get("num_attention_heads"))
-            experts, width, intermediate = _moe(get) if family and family.moe else (0, 0, None)
+            experts, width, intermediate, moe_extra = _moe(get) if family and family.moe else (0, 0, None, {})
             shape = cls(
                 name=name or str(get("_name_or_path") or get("model_type") or "model"),
                 hidden=hidden,
@@ -98,6 +106,8 @@ class ModelShape:
                 windows=tuple(layer_windows(config)),
                 experts=experts,
                 expert_intermediate=width,
+                sinks=get("model_type") == "gpt_oss",
+                **moe_extra,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(
@@ -155,14 +165,26 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """One decoder layer: ``h*nh*d + 2*h*nkv*d + nh*d*h + 3*h*i + norms*h`` (+ biases, + q/k
-        norm weights)."""
+        """One decoder layer (a sparse one, where some are dense): ``h*nh*d + 2*h*nkv*d + nh*d*h +
+        3*h*i + norms*h`` (+ biases, + q/k norm weights; MoE: the experts, the router, a shared
+        expert, gpt-oss's expert and router biases and sinks)."""
+        return self.layer_params_at(-1)
+
+    def layer_params_at(self, index: int) -> int:
+        """The parameters of decoder layer ``index`` (-1: a sparse layer of a MoE model)."""
         shapes = self.linear_shapes()
-        if self.experts:  # the experts' gate, up and down projections and the router
+        n = self.heads if self.sinks else 0
+        if self.experts and index in self.dense_layers:  # Llama 4's dense layers
+            i = self.dense_intermediate
+            shapes.update(gate_proj=(self.hidden, i), up_proj=(self.hidden, i), down_proj=(i, self.hidden))
+        elif self.experts:  # the experts' gate, up and down projections and the router
             shapes = {k: v for k, v in shapes.items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")}
             shapes["experts"] = (self.experts * 3 * self.hidden, self.expert_intermediate)
             shapes["router"] = (self.hidden, self.experts)
-        n = sum(a * b for a, b in shapes.values()) + self.norms * self.hidden
+            shapes["shared_expert"] = (3 * self.hidden, self.shared_expert_intermediate)
+            if self.expert_bias:  # gate_up (2 * width) and down (h) per expert, the router's
+                n += self.experts * (2 * self.expert_intermediate + self.hidden + 1)
+        n += sum(a * b for a, b in shapes.values()) + self.norms * self.hidden
         if self.attention_bias:
             n += (self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden
         elif self.qkv_bias:
@@ -184,7 +206,8 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         """``L * layer_params + V*h (embedding) + V*h (lm_head, unless tied) + h (final norm)``."""
-        return self.layers * self.layer_params + self.embedding_params + self.lm_head_params + self.hidden
+        layers = sum(self.layer_params_at(i) for i in range(self.layers))
+        return layers + self.embedding_params + self.lm_head_params + self.hidden
 
     def lora_params(self, rank: int, targets: Iterable[str] = DEFAULT_LORA_TARGETS) -> int:
         """``L * sum over targets of r * (in + out)`` (A is ``r x in``, B is ``out x r``)."""
@@ -197,14 +220,29 @@ class ModelShape:
         return self.layers * sum(rank * sum(shapes[t]) for t in targets)
 
 
-def _moe(get) -> tuple[int, int, int]:
-    """``(experts, expert width, per-token width)`` of a MoE config; a Qwen3-MoE config with dense
-    layers (``mlp_only_layers``, ``decoder_sparse_step > 1``) is refused: not modelled."""
+def _moe(get) -> tuple[int, int, int, dict[str, Any]]:
+    """``(experts, expert width, per-token width, other ModelShape fields)`` of a MoE config; a
+    Qwen3-MoE config with dense layers (``mlp_only_layers``, ``decoder_sparse_step > 1``) is
+    refused: not modelled. Llama 4: a shared expert of the expert width (counted in the per-token
+    width), dense layers per ``moe_layers`` / ``interleave_moe_layer_step`` of width
+    ``intermediate_size_mlp``; gpt-oss: biased experts and router."""
     if get("mlp_only_layers") or int(get("decoder_sparse_step") or 1) != 1:
         raise ValueError("the planner models MoE configs whose every layer is sparse (mlp_only_layers: [])")
     experts = int(get("num_experts") or get("num_local_experts"))
     width = int(get("moe_intermediate_size") or get("intermediate_size"))
-    return experts, width, int(get("num_experts_per_tok")) * width
+    per_token = int(get("num_experts_per_tok") or get("experts_per_token")) * width
+    extra: dict[str, Any] = {"expert_bias": get("model_type") == "gpt_oss"}
+    if get("model_type") == "llama4_text":
+        layers, step = int(get("num_hidden_layers")), int(get("interleave_moe_layer_step") or 1)
+        moe = get("moe_layers")
+        moe = list(range(step - 1, layers, step)) if moe is None else list(moe)  # Llama4TextConfig's rule
+        extra.update(
+            shared_expert_intermediate=width,
+            dense_layers=tuple(i for i in range(layers) if i not in moe),
+            dense_intermediate=int(get("intermediate_size_mlp") or 0),
+        )
+        per_token += width
+    return experts, width, per_token, extra
 
 
 def load_model_shape(model: Any) -> ModelShape:

@@ -7,7 +7,8 @@ YaRN (Qwen2.5's long-context config), per-head q/k norm and ``head_dim != hidden
 own RoPE bases and linear scaling on the global layers (Gemma 3, as its 4B/12B configs), a fused
 ``qkv_proj`` (Phi-3), q/k norm over all heads (OLMo 2), a sparse MoE MLP (Qwen3-MoE; Mixtral with
 a window), attention sinks with sliding + full layers (gpt-oss), sliding + full layers (OLMo 3), a
-windowed NoPE layer (SmolLM3), queries scaled by their position (Ministral 3).
+windowed NoPE layer (SmolLM3), queries scaled by their position (Ministral 3), chunked local
+attention with a NoPE layer's query temperature (Llama 4).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "rope_parameters": {
                 "rope_type": "yarn",
-                "factor": 4.0,
+                "factor": 64.0,  # max_position_embeddings / original
                 "original_max_position_embeddings": 16,
                 "rope_theta": 10000.0,
             }
@@ -88,6 +89,44 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "moe_intermediate_size": 32,
             "first_k_dense_replace": 1,
             "n_shared_experts": 1,
+        },
+    ),
+    # Llama 4: chunked layers 0 and 2 (chunks of 5 tokens: on no zigzag chunk edge), a NoPE layer 1
+    # whose query temperature changes every 4 positions, MoE (shared expert) on layer 1
+    "llama4": (
+        "llama4_text",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "attention_chunk_size": 5,
+            "no_rope_layers": [1, 0, 1],
+            "floor_scale": 4,
+            "attn_scale": 0.5,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 64,
+            "interleave_moe_layer_step": 2,
+        },
+    ),
+    # Mistral 4: DeepSeek-V3's latent attention (q/k 16 + 8, v 12) with Ministral 3's query scaling
+    "mistral4": (
+        "mistral4",
+        {
+            "num_key_value_heads": 4,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 24,
+            **MOE,
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "rope_parameters": {  # YaRN (the default RoPE type ignores partial_rotary_factor)
+                **MINISTRAL3_ROPE,
+                "rope_type": "yarn",
+                "factor": 64.0,  # max_position_embeddings / original
+                "partial_rotary_factor": 8 / 24,
+            },
         },
     ),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 24, **MOE, "num_experts": 4, "moe_intermediate_size": 32}),
@@ -133,7 +172,12 @@ def tiny_family(model_type: str, dtype: torch.dtype = torch.float64, seed: int =
     config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    if model_type == "mistral4":  # (not registered with AutoModelForCausalLM in transformers 5.24)
+        from transformers import Mistral4ForCausalLM
+
+        model = Mistral4ForCausalLM._from_config(config, dtype=dtype, attn_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     if is_moe(model):
         model.set_experts_implementation("eager")  # the grouped kernels have no fp64 on CPU
     return model.eval()

@@ -4,7 +4,9 @@ Tiny random models in fp64 (tests/model/family_models.py) on CP groups of 1, 2, 
 (one spawn of 4 processes: the CP group of size N is ranks 0..N-1; every family, window and layout
 runs inside it): logits, loss and every parameter's gradient. Windows shorter than a chunk,
 straddling chunk edges and longer than a chunk; windows with packed documents; decoding with a
-window (RingInference vs ``model.generate``).
+window (RingInference vs ``model.generate``); Llama 4's chunked layers (chunks of 5 tokens, on no
+zigzag chunk edge) and its NoPE layer's query temperature, on padded rows and a packed row; Mistral 4
+(latent attention, queries scaled by position) on a packed row.
 
 Oracles (unmodified transformers, one process, whole sequence; computed once, in the test process):
 
@@ -53,7 +55,10 @@ DECODE_PROMPT, DECODE_NEW, DECODE_WINDOW = 30, 12, 8
 CP_SIZES = (1, 2, 3, 4)
 # Families whose attention call is one already covered at every CP size (or, for gpt-oss's sinks,
 # covered at CP 2-4 by tests/ops/test_sinks.py) run at CP 3 only: an odd ring, uneven chunks.
-ODD_ONLY = ("olmo3", "smollm3", "ministral3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+# Llama 4's unpacked rows run at CP 3 (its packed row, chunks cut inside documents, at every size).
+ODD_ONLY = (
+    "olmo3", "smollm3", "ministral3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "mistral4", "llama4"
+)  # fmt: skip
 ROUTER_SIZES = (2, 3)  # the router load-balancing loss over the ring (tests/loss/router_cases.py)
 
 
@@ -68,7 +73,7 @@ class Case:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return (3,) if self.build[1] in ODD_ONLY else CP_SIZES
+        return (3,) if self.build[1] in ODD_ONLY or self.tag in ODD_ONLY else CP_SIZES
 
     def model(self):
         if self.build[0] == "family":
@@ -99,6 +104,9 @@ def _cases() -> list[Case]:
     for i, name in enumerate(("gemma3", "mistral", "gpt_oss")):
         cases.append(Case(f"{name}-packed-w7", "packed", ("windowed", name, 7), 70 + i))
     cases.append(Case("qwen3_moe-packed", "packed", ("family", "qwen3_moe"), 75))
+    cases += [Case("llama4", "padded", ("family", "llama4"), 3)]
+    cases.append(Case("llama4-packed", "packed", ("family", "llama4"), 4))
+    cases.append(Case("mistral4-packed", "packed", ("family", "mistral4"), 6))
     cases.append(Case("phi3-lora", "padded", ("lora", "phi3"), 80))
     for name in ("gemma3", "qwen2"):
         cases.append(Case(f"{name}-decode-w{DECODE_WINDOW}", "decode", ("windowed", name, DECODE_WINDOW), 90))
@@ -260,6 +268,14 @@ def _ring(case: Case, group, rank: int, size: int) -> dict:
     return {"logits": got, "loss": loss, "grads": grads, "fp32": _fp32_parameters(model)}
 
 
+def _refuse_chunked_decoding(group) -> None:
+    from ringft.model.inference import RingInference
+
+    engine = RingInference(family_model("llama4"), group, "torch")
+    with pytest.raises(ValueError, match=r"cannot decode chunked attention layers \(attention_chunk_size=5"):
+        engine.prefill(list(range(3, 20)))
+
+
 def families_worker(rank: int, world: int, oracle_path: str) -> dict[str, float]:
     oracles = torch.load(oracle_path)
     errors: dict[str, float] = {}
@@ -272,6 +288,8 @@ def families_worker(rank: int, world: int, oracle_path: str) -> dict[str, float]
                     errors.update(
                         _compare(f"cp{size}/{case.tag}", got, oracles[case.tag], got.get("fp32", set()))
                     )
+            if size == 2:  # a refusal raised on every rank, before any ring traffic
+                _refuse_chunked_decoding(group)
             for name in ROUTER_FAMILIES if size in ROUTER_SIZES else ():
                 got, want = router_run(name, rank, size, group), oracles[f"router/{name}"]
                 tag = f"cp{size}/router-{name}/sdpa"

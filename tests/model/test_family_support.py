@@ -89,6 +89,23 @@ def test_unknown_types_need_allow_untested_and_multimodal_gemma3_is_pointed_to_i
         check_model(AutoConfig.for_model("gemma3"), [torch.nn.Module()], allow_untested=False)
 
 
+def test_llama4_chunk_configurations_the_ring_cannot_honour_are_refused():
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="train its text decoder as Llama4ForCausalLM"):
+        check_model(AutoConfig.for_model("llama4"), [torch.nn.Module()], allow_untested=False)
+    for size in (0, None):
+        model = family_model("llama4", torch.float32)
+        model.config.attention_chunk_size = size
+        with pytest.raises(ValueError, match=f"attention_chunk_size={size}: it must be a positive integer"):
+            apply_ring_attention(model)
+    model = apply_ring_attention(family_model("llama4", torch.float32))
+    nope = attention_modules(model)[1]  # the NoPE layer: its temperature moves into the ring
+    assert nope.attn_temperature_tuning is False
+    remove_ring_attention(model)
+    assert nope.attn_temperature_tuning is True
+
+
 def test_softcap_and_sinks_in_decoding_are_refused():
     model = apply_ring_attention(family_model("qwen2", torch.float32))
     module = attention_modules(model)[0]
@@ -141,7 +158,8 @@ def test_tiled_mlp_of_every_family_is_exact():
     from ringft.model.tiled_mlp import enable_tiled_mlp
 
     ids = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(0))
-    builds = [(family_model, (n,)) for n in FAMILY_CONFIGS if n not in ("qwen3_moe", "deepseek_v3")]
+    moe = ("qwen3_moe", "deepseek_v3", "mistral4")  # their sparse MLPs are not tiled
+    builds = [(family_model, (n,)) for n in FAMILY_CONFIGS if n not in moe]
     builds += [(windowed_model, (n, 5)) for n in ("olmo3", "smollm3", "ministral3")]
     for build, args in builds:
         name = args[0]

@@ -42,12 +42,17 @@ def test_multimodal_config_reads_its_text_decoder():
     assert shape.total_params == load_model_shape("gemma-3-4b").total_params
 
 
-@pytest.mark.parametrize("name", [*sorted(set(FAMILY_CONFIGS) - {"deepseek_v3"}), "mixtral"])
+LATENT = {"deepseek_v3", "mistral4"}  # latent attention: not modelled by the planner
+
+
+@pytest.mark.parametrize("name", [*sorted(set(FAMILY_CONFIGS) - LATENT), "mixtral", "gpt_oss"])
 def test_parameter_counts_equal_the_transformers_model(name):
-    model = windowed_model(name, 5, torch.float32) if name == "mixtral" else family_model(name, torch.float32)
+    windowed = name in ("mixtral", "gpt_oss")
+    model = windowed_model(name, 5, torch.float32) if windowed else family_model(name, torch.float32)
     shape = load_model_shape(model.config)
     assert shape.total_params == sum(p.numel() for p in model.parameters())
-    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    for i, layer in enumerate(model.model.layers):  # Llama 4: a dense and a sparse layer
+        assert shape.layer_params_at(i) == sum(p.numel() for p in layer.parameters()), (name, i)
 
 
 def test_lora_counts_with_fused_projections_equal_peft():
@@ -109,3 +114,16 @@ def test_qk_norm_and_extra_norm_activations_by_hand():
     assert attention("olmo2") - llama == 32 * (4 * 48 + 4 * 2 + 2 * 48)
     # Gemma 3: q/k norms per head + two extra norms (fp32 input 4h, rsqrt, fp32 normalised 4h)
     assert attention("gemma3_text") - llama == 32 * (4 * 48 + 4 * 6 + 2 * 48 + 2 * (4 * 16 + 4 + 4 * 16))
+
+
+def test_gpt_oss_and_llama4_presets_plan_and_match_the_published_totals():
+    # Model cards: gpt-oss-20b 20.91B parameters (21B, 3.6B active); Llama 4 Scout 109B total
+    # (17B active), which counts the vision encoder too: the text decoder alone is ~1 % less.
+    for name, total in (("gpt-oss-20b", 20.91e9), ("llama-4-scout", 109e9)):
+        shape = load_model_shape(name)
+        assert abs(shape.total_params / total - 1) <= 0.02, (name, shape.total_params)
+        plan = plan_memory(name, 131072, 8, 80, cp_size=8, zero_stage=3)
+        assert plan.params_total == shape.total_params and plan.total > 0
+    scout = load_model_shape("llama-4-scout")
+    assert scout.shared_expert_intermediate == 8192 and scout.dense_layers == ()
+    assert load_model_shape("gpt-oss-20b").expert_bias
