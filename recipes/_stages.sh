@@ -5,7 +5,6 @@
 # The wrapper sets, before calling `run_stages "$@"`:
 #   RECIPES=(a.yaml b.yaml ...)   the stages, in order
 #   DEFAULT_CONFIG=...            the accelerate launch config
-#   LAYER_CLS=...                 the decoder layer class (used when the config is an FSDP one)
 # The user may set:
 #   ACCELERATE_CONFIG=path        another launch config (e.g. recipes/accelerate/fsdp.yaml)
 #   LAUNCH_ARGS="..."             extra `accelerate launch` flags (e.g. multi-node: --num_machines 2
@@ -65,9 +64,6 @@ run_stages() {
     local -a launch_args=()
     if [[ -n "${LAUNCH_ARGS:-}" ]]; then
         read -r -a launch_args <<<"$LAUNCH_ARGS"
-    fi
-    if [[ "$(basename "$config")" == fsdp* ]]; then
-        launch_args+=(--fsdp_transformer_layer_cls_to_wrap "$LAYER_CLS")
     fi
     if [[ ! -f "$config" ]]; then
         echo "error: accelerate config $config does not exist" >&2

@@ -4,8 +4,7 @@
 # fine-tuning under FSDP2, bf16, activation checkpointing; 8 rows (512K tokens) per optimizer step.
 #
 #   recipes/trl_sft/run.sh                                  # Llama-3.1-8B-Instruct on UltraChat
-#   MODEL=mistralai/Mistral-7B-Instruct-v0.3 LAUNCH_ARGS="--fsdp_transformer_layer_cls_to_wrap MistralDecoderLayer" \
-#       recipes/trl_sft/run.sh
+#   MODEL=mistralai/Mistral-7B-Instruct-v0.3 recipes/trl_sft/run.sh
 #   LORA=16 ACCELERATE_CONFIG=recipes/accelerate/1node_8gpu.yaml recipes/trl_sft/run.sh   # LoRA, DDP
 #   CP_SIZE=4 MAX_LENGTH=32768 recipes/trl_sft/run.sh      # two rings of 4 (dp 2)
 #   DRY_RUN=1 recipes/trl_sft/run.sh                        # print the command
