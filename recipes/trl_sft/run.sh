@@ -15,6 +15,8 @@
 # CPU variant (2 processes, SmolLM2-135M, a minute): recipes/trl_sft/run_cpu.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=recipes/_stages.sh
+source recipes/_stages.sh  # dry_run: what DRY_RUN means in every wrapper
 # less allocator fragmentation at long sequences (see recipes/_stages.sh); a value set before wins
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CMD=(
@@ -36,7 +38,7 @@ CMD=(
     --output-dir "${OUTPUT_DIR:-outputs/trl_sft}"
     "$@"
 )
-if [[ -n "${DRY_RUN:-}" ]]; then
+if dry_run; then
     echo "${CMD[@]}"
 else
     "${CMD[@]}"

@@ -10,6 +10,8 @@
 # tests/train/test_hf_launch.py runs both and compares their losses step by step.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=recipes/_stages.sh
+source recipes/_stages.sh  # dry_run: what DRY_RUN means in every wrapper
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-$("$PYTHON" data_prep/get_smollm2.py --output models/smollm2-135m-instruct | tail -n 1)}
 ARGS=(
@@ -28,7 +30,7 @@ else
     CMD=("${ACCELERATE:-accelerate}" launch --config_file recipes/accelerate/cpu_2proc.yaml ${LAUNCH_ARGS:-}
         recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 2 "$@")
 fi
-if [[ -n "${DRY_RUN:-}" ]]; then
+if dry_run; then
     echo "${CMD[@]}"
 else
     exec "${CMD[@]}"
