@@ -385,7 +385,7 @@ def test_trl_sft_run_sh_launches_fsdp2_with_a_ring_of_8(tmp_path):
     assert out.returncode == 0, out.stderr
     words = out.stdout.split()
     assert words[words.index("--config_file") + 1] == "recipes/accelerate/fsdp2.yaml"
-    assert words[words.index("--cp-size") + 1] == "8" and "recipes/trl_sft/sft.py" in words
+    assert words[words.index("--cp_size") + 1] == "8" and "recipes/trl_sft/sft.py" in words
     for ref in (w for w in words if w.startswith("recipes/")):
         assert (REPO_ROOT / ref).is_file(), ref
 
