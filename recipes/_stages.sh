@@ -5,15 +5,18 @@
 # The wrapper sets, before calling `run_stages "$@"`:
 #   RECIPES=(a.yaml b.yaml ...)   the stages, in order
 #   DEFAULT_CONFIG=...            the accelerate launch config
-#   LAYER_CLS=...                 the decoder layer class (used when the config is an FSDP one)
 # The user may set:
 #   ACCELERATE_CONFIG=path        another launch config (e.g. recipes/accelerate/fsdp.yaml)
 #   LAUNCH_ARGS="..."             extra `accelerate launch` flags (e.g. multi-node: --num_machines 2
 #                                 --num_processes 16 --machine_rank 0 --main_process_ip 10.0.0.1)
 #   STAGES="3 4"                  run only these stages (1-based; default: all)
-#   DRY_RUN=1                     print the commands instead of running them
+#   DRY_RUN=1                     print the commands instead of running them (1/true/yes/on;
+#                                 0/false/no/off or unset: run; anything else is refused). Every
+#                                 wrapper reads it through dry_run below: DRY_RUN=true never trains.
 #   PYTHON / ACCELERATE           the interpreter / launcher to use (default: python / accelerate)
 # Arguments are ringft overrides (--section.key value ...), passed to every stage.
+# Before the first stage starts, every selected stage's data.path must exist (all missing folders
+# are named at once: a 4-stage run must not fail hours in, at stage 2, for want of its data).
 # Each stage runs with --resume (it continues from its newest complete checkpoint, or starts
 # fresh) and is skipped once its output_dir/final/ringft_recipe.json exists (the export is done):
 # re-running a wrapper after a crash continues where it stopped. Delete a stage's output_dir to
@@ -47,8 +50,19 @@ _stage_override() {  # _stage_override dotted.key ARGS... -> value of --dotted.k
     return 0
 }
 
+dry_run() {  # dry_run -> status 0 when DRY_RUN asks for printing instead of running
+    case "${DRY_RUN:-}" in
+        1 | [Tt]rue | TRUE | [Yy]es | YES | [Oo]n | ON) return 0 ;;
+        "" | 0 | [Ff]alse | FALSE | [Nn]o | NO | [Oo]ff | OFF) return 1 ;;
+        *)
+            echo "error: DRY_RUN=$DRY_RUN: use 1 (print the commands) or 0 (run them)" >&2
+            exit 2
+            ;;
+    esac
+}
+
 _stage_exec() {
-    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    if dry_run; then
         printf '%q ' "$@"
         printf '\n'
     else
@@ -65,9 +79,6 @@ run_stages() {
     local -a launch_args=()
     if [[ -n "${LAUNCH_ARGS:-}" ]]; then
         read -r -a launch_args <<<"$LAUNCH_ARGS"
-    fi
-    if [[ "$(basename "$config")" == fsdp* ]]; then
-        launch_args+=(--fsdp_transformer_layer_cls_to_wrap "$LAYER_CLS")
     fi
     if [[ ! -f "$config" ]]; then
         echo "error: accelerate config $config does not exist" >&2
@@ -86,7 +97,37 @@ run_stages() {
     else
         selected=("${RECIPES[@]}")
     fi
-    local recipe out src
+    local recipe out src data
+    local -a todo=() missing=()
+    for recipe in "${selected[@]}"; do
+        out=$(_stage_override checkpoint.output_dir "$@")
+        [[ -n "$out" ]] || out=$(_stage_yaml_get "$recipe" checkpoint.output_dir)
+        [[ -f "$out/final/ringft_recipe.json" ]] && continue
+        todo+=("$recipe")
+        data=$(_stage_override data.path "$@")
+        [[ -n "$data" ]] || data=$(_stage_yaml_get "$recipe" data.path)
+        if [[ -n "$data" && ! -e "$data" ]]; then
+            missing+=("$recipe reads data.path $data, which does not exist")
+        fi
+    done
+    if ((${#todo[@]})); then
+        src=$(_stage_override model.name_or_path "$@")
+        [[ -n "$src" ]] || src=$(_stage_yaml_get "${todo[0]}" model.name_or_path)
+        if [[ "$src" == outputs/* && ! -d "$src" ]]; then
+            missing+=("${todo[0]} starts from $src, which does not exist: run the previous stage first")
+        fi
+    fi
+    if ((${#missing[@]})); then
+        local line level=error
+        dry_run && level=warning
+        for line in "${missing[@]}"; do
+            echo "$level: $line" >&2
+        done
+        if ! dry_run; then
+            echo "error: nothing launched (build the data first: the recipes' headers)" >&2
+            return 1
+        fi
+    fi
     for recipe in "${selected[@]}"; do
         out=$(_stage_override checkpoint.output_dir "$@")
         [[ -n "$out" ]] || out=$(_stage_yaml_get "$recipe" checkpoint.output_dir)
@@ -96,7 +137,7 @@ run_stages() {
             echo "== $recipe: $out/final exists, skipping (delete $out to train it again)" >&2
             continue
         fi
-        if [[ "${DRY_RUN:-0}" != 1 && "$src" == outputs/* && ! -d "$src" ]]; then
+        if ! dry_run && [[ "$src" == outputs/* && ! -d "$src" ]]; then
             echo "error: $recipe starts from $src, which does not exist: run the previous stage first" >&2
             return 1
         fi

@@ -21,5 +21,4 @@ RECIPES=(
     recipes/llama3_8b_512k/stage4_512k.yaml
 )
 DEFAULT_CONFIG=recipes/accelerate/deepspeed_zero3.yaml  # ZeRO-3 (tested); fsdp.yaml: see recipes/README.md
-LAYER_CLS=LlamaDecoderLayer
 run_stages "$@"

@@ -18,5 +18,4 @@ source recipes/_stages.sh
 
 RECIPES=(recipes/llama3_8b_512k/stage4_512k_lora.yaml)
 DEFAULT_CONFIG=recipes/accelerate/1node_8gpu.yaml
-LAYER_CLS=LlamaDecoderLayer
 run_stages "$@"

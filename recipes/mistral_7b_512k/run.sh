@@ -7,7 +7,6 @@
 #   recipes/mistral_7b_512k/run.sh [--section.key value ...]    # overrides apply to every stage
 #   STAGES="3 4" recipes/mistral_7b_512k/run.sh                 # only some stages
 #   ACCELERATE_CONFIG=recipes/accelerate/fsdp.yaml recipes/mistral_7b_512k/run.sh
-#       # FSDP: the wrapper adds --fsdp_transformer_layer_cls_to_wrap MistralDecoderLayer
 #   DRY_RUN=1 recipes/mistral_7b_512k/run.sh                    # print the commands
 # Re-running continues an interrupted stage (--resume) and skips finished ones. More knobs
 # (LAUNCH_ARGS for multi-node, ...): recipes/_stages.sh.
@@ -23,5 +22,4 @@ RECIPES=(
     recipes/mistral_7b_512k/stage4_512k.yaml
 )
 DEFAULT_CONFIG=recipes/accelerate/deepspeed_zero3.yaml  # ZeRO-3 (tested); fsdp.yaml: see recipes/README.md
-LAYER_CLS=MistralDecoderLayer
 run_stages "$@"

@@ -18,13 +18,15 @@
 # Needs a GPU for 16K and 32K (on 2 CPU cores one 32K case takes many minutes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=recipes/_stages.sh
+source recipes/_stages.sh  # dry_run: what DRY_RUN means in every wrapper
 BEFORE=${BEFORE:-models/smollm2-135m-instruct}
 AFTER=${AFTER:-outputs/smollm2_32k/stage2_32k/final}
 OUT=${OUT:-outputs/smollm2_32k/eval}
 CONFIG=${ACCELERATE_CONFIG:-recipes/accelerate/1node_8gpu.yaml}
 
 run() {
-    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    if dry_run; then
         printf '%q ' "$@"
         printf '\n'
     else
@@ -36,7 +38,7 @@ for style in ${STYLES:-ringft longchat}; do
     for side in ${SIDES:-before after}; do
         model=$BEFORE
         [[ $side == after ]] && model=$AFTER
-        if [[ "${DRY_RUN:-0}" != 1 && ! -d "$model" ]]; then
+        if ! dry_run && [[ ! -d "$model" ]]; then
             echo "error: $side model $model does not exist (prepare_data.sh makes the base, run.sh the extended)" >&2
             exit 1
         fi

@@ -21,5 +21,4 @@ RECIPES=(
 )
 DEFAULT_CONFIG=recipes/accelerate/1node_8gpu.yaml  # plain DDP (NCCL, bf16); the model fits one GPU
 LAUNCH_ARGS=${LAUNCH_ARGS:---num_processes ${NUM_GPUS:-1}}
-LAYER_CLS=LlamaDecoderLayer
 run_stages "$@"

@@ -5,30 +5,43 @@
 #
 #   recipes/trl_sft/run_cpu.sh                    # the ring (2 processes)
 #   ONE_PROCESS=1 recipes/trl_sft/run_cpu.sh      # the same run as plain TRL in one process (the oracle)
-#   MODEL=path/to/model OUTPUT_DIR=out recipes/trl_sft/run_cpu.sh --max-steps 4
+#   MODEL=path/to/model OUTPUT_DIR=out recipes/trl_sft/run_cpu.sh --max_steps 4
 #   DRY_RUN=1 recipes/trl_sft/run_cpu.sh          # print the command
 # tests/train/test_hf_launch.py runs both and compares their losses step by step.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=recipes/_stages.sh
+source recipes/_stages.sh  # dry_run: what DRY_RUN means in every wrapper
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-$("$PYTHON" data_prep/get_smollm2.py --output models/smollm2-135m-instruct | tail -n 1)}
-ARGS=(
-    --model "$MODEL"
-    --dataset synthetic-chat:64
-    --max-length 128
-    --lora 8
-    --lr 1e-3
-    --max-steps 2
-    --output-dir "${OUTPUT_DIR:-outputs/trl_sft_cpu}"
+ARGS=(  # TRL's own flags (sft.py is a TrlParser script) + ringft's --cp_size
+    --model_name_or_path "$MODEL"
+    --dataset_name synthetic-chat:64
+    --packing true
+    --max_length 128
+    --use_peft true --lora_r 8 --lora_alpha 16 --lora_dropout 0
+    --lora_target_modules q_proj k_proj v_proj o_proj
+    --learning_rate 1e-3
+    --lr_scheduler_type cosine
+    --warmup_steps 0.03
+    --max_steps 2
+    --logging_steps 1
+    --save_strategy no
+    --report_to none
+    --disable_tqdm true
+    --use_cpu true
+    --bf16 false  # (SFTConfig defaults to bf16 and activation checkpointing: off here)
+    --activation_checkpointing false
+    --output_dir "${OUTPUT_DIR:-outputs/trl_sft_cpu}"
 )
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [[ -n "${ONE_PROCESS:-}" ]]; then
-    CMD=("$PYTHON" recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 1 "$@")
+    CMD=("$PYTHON" recipes/trl_sft/sft.py "${ARGS[@]}" --cp_size 1 "$@")
 else
     CMD=("${ACCELERATE:-accelerate}" launch --config_file recipes/accelerate/cpu_2proc.yaml ${LAUNCH_ARGS:-}
-        recipes/trl_sft/sft.py "${ARGS[@]}" --cp-size 2 "$@")
+        recipes/trl_sft/sft.py "${ARGS[@]}" --cp_size 2 "$@")
 fi
-if [[ -n "${DRY_RUN:-}" ]]; then
+if dry_run; then
     echo "${CMD[@]}"
 else
     exec "${CMD[@]}"

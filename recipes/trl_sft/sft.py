@@ -1,24 +1,29 @@
 """Chat SFT with TRL's SFTTrainer, documents packed (bfd, padding-free), on ringft's ring.
 
-One script for the 8-GPU node (recipes/trl_sft/run.sh) and its CPU variant
-(recipes/trl_sft/run_cpu.sh); launch it with ``accelerate launch`` (world = dp x cp), or with plain
-``python`` for one process. ``--cp-size 1`` is TRL's SFTTrainer unchanged: the one-process oracle
-the tests compare the ring against (tests/recipes/test_trl_sft_recipe.py).
+A ``TrlParser`` script, as TRL's own ``trl/scripts/sft.py``: TRL's ``ScriptArguments``,
+``SFTConfig`` and ``ModelConfig`` flags (``--model_name_or_path``, ``--dataset_name``,
+``--max_length``, ``--packing``, ``--learning_rate``, ``--use_peft --lora_r 16``, ``--config
+x.yaml``, ...; dashes or underscores) plus ringft's :class:`RingArguments` (``--cp_size``,
+``--ulysses_size``, ``--loss_chunk_size``, ``--tiled_mlp_tokens``). One script for the 8-GPU node
+(recipes/trl_sft/run.sh) and its CPU variant (recipes/trl_sft/run_cpu.sh); launch it with
+``accelerate launch`` (world = dp x cp), or with plain ``python`` for one process. ``--cp_size 1``
+is TRL's SFTTrainer unchanged: the one-process oracle the tests compare the ring against
+(tests/train/test_hf_launch.py).
 
-Data: ``--dataset`` is a hub dataset name, a local .json / .jsonl file, or ``synthetic-chat`` (short
-made-up conversations built here: no download); records carry ``messages`` (TRL's conversational
-format: the model's chat template is applied, then the tokens are packed into rows of
-``--max-length``). Writes ``<output-dir>/log_history.json`` (the Trainer's logs, main process),
+Data: ``--dataset_name`` is a hub dataset name, a local .json / .jsonl file, or ``synthetic-chat``
+(short made-up conversations built here: no download; the default); records carry ``messages``
+(TRL's conversational format: the model's chat template is applied, then the tokens are packed
+into rows of ``--max_length``). Writes ``<output-dir>/log_history.json`` (the Trainer's logs, main process),
 ``run_info.json`` (world, dp, cp, engine) and the trained model (or LoRA adapter) to
 ``<output-dir>/final``.
 """
 
-from __future__ import annotations
 
-import argparse
 import json
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def synthetic_chats(n: int, seed: int) -> list[dict]:
@@ -57,96 +62,63 @@ def load_chats(name: str, split: str, seed: int):
     return datasets.load_dataset(name, split=split)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="model folder or hub name (LLaMA / Mistral family)")
-    p.add_argument(
-        "--dataset", default="synthetic-chat", help="hub name, .json/.jsonl file, or synthetic-chat[:N]"
-    )
-    p.add_argument("--dataset-split", default="train")
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("--cp-size", type=int, default=1, help="ranks per ring (1: TRL's SFTTrainer unchanged)")
-    p.add_argument("--ulysses-size", type=int, default=1, help="CP = Ulysses x ring (1: the ring alone)")
-    p.add_argument("--max-length", type=int, default=2048, help="tokens per packed row")
-    p.add_argument("--micro-batch", type=int, default=1, help="packed rows per replica and micro-step")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=-1, help="-1: one epoch")
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument(
-        "--lora", type=int, default=0, help="LoRA rank on the attention projections (0: full fine-tuning)"
-    )
-    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs)")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per lm_head + loss chunk")
-    p.add_argument("--tiled-mlp-tokens", type=int, default=None)
-    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+@dataclass
+class RingArguments:
+    """ringft's flags: the ring layout and its memory options (RingTrainerMixin's keywords)."""
+
+    cp_size: int = field(default=1, metadata={"help": "ranks per ring (1: TRL's SFTTrainer unchanged)"})
+    ulysses_size: int = field(default=1, metadata={"help": "CP = Ulysses x ring (1: the ring alone)"})
+    loss_chunk_size: int = field(default=4096, metadata={"help": "tokens per lm_head + loss chunk"})
+    tiled_mlp_tokens: int | None = field(default=None, metadata={"help": "tokens per MLP tile"})
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Any, Any, Any, RingArguments]:
+    """``(ScriptArguments, SFTConfig, ModelConfig, RingArguments)`` from ``argv`` (and ``--config``)."""
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, RingArguments))
+    return parser.parse_args_and_config(args=argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Train (see the module docstring)."""
-    args = parse_args(argv)
+    script, config, model_args, ring_args = parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer, get_peft_config
 
     from ringft import RingTrainerMixin
 
     class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
         """TRL's SFTTrainer on ringft's ring."""
 
-    config = SFTConfig(
-        output_dir=args.output_dir,
-        packing=True,  # bfd: padding-free rows, documents masked apart by the ring
-        max_length=args.max_length,
-        per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=args.grad_accum,
-        max_steps=args.max_steps,
-        num_train_epochs=1,
-        learning_rate=args.lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=0.03,  # a fraction of the steps
-        bf16=args.bf16,
-        activation_checkpointing=args.gradient_checkpointing,
-        logging_steps=1,
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
-        report_to=[],
-        seed=args.seed,
-        disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(),  # else accelerate runs each CPU process alone
-    )
-    peft_config = None
-    if args.lora:
-        from peft import LoraConfig
-
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-        peft_config = LoraConfig(
-            r=args.lora, lora_alpha=2 * args.lora, target_modules=targets, task_type="CAUSAL_LM"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    name = model_args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(name, revision=model_args.model_revision)
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        name, revision=model_args.model_revision, dtype=dtype,
+        attn_implementation=model_args.attn_implementation or "sdpa",
+    )  # fmt: skip
     ring = {}
-    if args.cp_size > 1 or args.tiled_mlp_tokens:
+    if ring_args.cp_size > 1 or ring_args.tiled_mlp_tokens:
         ring = dict(
-            cp_size=args.cp_size,
-            ulysses_size=args.ulysses_size,
-            loss_chunk_size=args.loss_chunk_size,
-            tiled_mlp_tokens=args.tiled_mlp_tokens,
+            cp_size=ring_args.cp_size,
+            ulysses_size=ring_args.ulysses_size,
+            loss_chunk_size=ring_args.loss_chunk_size,
+            tiled_mlp_tokens=ring_args.tiled_mlp_tokens,
         )
+    dataset = script.dataset_name or "synthetic-chat"
     trainer = (RingSFTTrainer if ring else SFTTrainer)(
         model=model,
         args=config,
-        train_dataset=load_chats(args.dataset, args.dataset_split, args.seed),
+        train_dataset=load_chats(dataset, script.dataset_train_split, config.seed),
         processing_class=tokenizer,
-        peft_config=peft_config,
+        peft_config=get_peft_config(model_args),
         **ring,
     )
     trainer.train()
     if trainer.is_world_process_zero():
-        out = Path(args.output_dir)
+        out = Path(config.output_dir)
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         layout = getattr(trainer, "ring_layout", None)
         info = {
@@ -157,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             "distributed_type": str(trainer.accelerator.distributed_type),
         }
         (out / "run_info.json").write_text(json.dumps(info))
-    trainer.save_model(str(Path(args.output_dir) / "final"))
+    trainer.save_model(str(Path(config.output_dir) / "final"))
 
 
 if __name__ == "__main__":

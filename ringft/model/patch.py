@@ -42,7 +42,7 @@ from ringft.model.gated_deltanet import (
 )
 from ringft.model.inputs import CHECKED, DOCUMENTS, check_forward_inputs
 from ringft.model.rope import rope_problem
-from ringft.model.unwrap import decoder, pretrained_model
+from ringft.model.unwrap import decoder, present_no_split_modules, pretrained_model
 from ringft.ops import ShardedKVCache, ulysses_ring_attention, zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
 from ringft.ops.hybrid_layout import resolve_cp_groups
@@ -302,6 +302,8 @@ def apply_ring_attention(
         module._ringft_ring = spec
     prepare_linear_attention(model, spec)
     prepare_chunked_attention(attn_modules, config)
+
+    present_no_split_modules(model)  # accelerate's FSDP wraps these when the launch config names none
     pretrained.set_attn_implementation(ATTENTION_NAME)
     return model
 

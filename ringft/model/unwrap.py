@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["decoder", "output_head", "pretrained_model"]
+__all__ = ["decoder", "output_head", "present_no_split_modules", "pretrained_model"]
 
 
 def pretrained_model(model: nn.Module) -> nn.Module:
@@ -32,3 +32,19 @@ def output_head(model: nn.Module) -> nn.Module:
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embeddings (get_output_embeddings())")
     return head
+
+
+def present_no_split_modules(model: nn.Module) -> list[str]:
+    """Narrow the model's ``_no_split_modules`` (the decoder-layer classes that accelerate's FSDP
+    ``TRANSFORMER_BASED_WRAP`` wraps when the launch config names none) to the classes the model
+    really contains, and return them. A text-only model of a multimodal family (Qwen3.5) lists its
+    vision blocks too, which accelerate refuses as "not found in the model". Sets an instance
+    attribute; the class's list is left alone."""
+    inner = pretrained_model(model)
+    listed = getattr(inner, "_no_split_modules", None)
+    if not listed:
+        return []
+    present = {type(m).__name__ for m in inner.modules()}
+    kept = [name for name in listed if name in present]
+    inner._no_split_modules = kept
+    return kept

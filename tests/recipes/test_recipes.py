@@ -353,7 +353,7 @@ def test_fsdp_config():
     assert fsdp["fsdp_version"] == 1 and fsdp["fsdp_use_orig_params"] is True
     assert fsdp["fsdp_reshard_after_forward"] == "FULL_SHARD"
     assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
-    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    assert "fsdp_transformer_layer_cls_to_wrap" not in fsdp  # the model's _no_split_modules, any family
     assert fsdp["fsdp_activation_checkpointing"] is False  # the recipe's gradient_checkpointing does it
 
 
@@ -371,7 +371,7 @@ def test_fsdp2_config_as_accelerate_launch_reads_it(monkeypatch):
         monkeypatch.setenv(key, value)
     plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
-    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plugin.transformer_cls_names_to_wrap is None  # the model's _no_split_modules
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.cpu_ram_efficient_loading
     assert not plugin.activation_checkpointing  # the trainer's activation_checkpointing does it
 
@@ -385,7 +385,7 @@ def test_trl_sft_run_sh_launches_fsdp2_with_a_ring_of_8(tmp_path):
     assert out.returncode == 0, out.stderr
     words = out.stdout.split()
     assert words[words.index("--config_file") + 1] == "recipes/accelerate/fsdp2.yaml"
-    assert words[words.index("--cp-size") + 1] == "8" and "recipes/trl_sft/sft.py" in words
+    assert words[words.index("--cp_size") + 1] == "8" and "recipes/trl_sft/sft.py" in words
     for ref in (w for w in words if w.startswith("recipes/")):
         assert (REPO_ROOT / ref).is_file(), ref
 
@@ -538,7 +538,7 @@ def test_wrapper_stage_selection_skip_and_fsdp(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and "recipes/mistral_7b_512k/stage3_256k.yaml" in lines[0]
-    assert "--fsdp_transformer_layer_cls_to_wrap MistralDecoderLayer" in lines[0]
+    assert "--fsdp_transformer_layer_cls_to_wrap" not in lines[0]  # the config wraps any family
     _check_printed(lines[0], tmp_path)  # accelerate knows the FSDP flag, the stage loads
     assert "skipping" in out.stderr
     bad = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="7")

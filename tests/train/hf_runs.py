@@ -226,7 +226,7 @@ def _script(argv: list[str]) -> dict[str, Any]:
     module = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(module)
     module.main(argv)
-    out = Path(argv[argv.index("--output-dir") + 1])
+    out = Path(argv[argv.index("--output_dir") + 1])
     logs = [h for h in json.loads((out / "log_history.json").read_text()) if "loss" in h]
     return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs]}
 
@@ -289,9 +289,13 @@ def assert_updates_close(final: dict, reference: dict, initial: dict, rtol: floa
 def zero3_argv(model_dir: str, out: str) -> list[str]:
     """recipes/trl_sft/sft.py arguments of the ZeRO-3 test (tests/train/test_hf_launch.py): full
     fine-tuning of the tiny model on made-up chats, 2 packed rows of 128 tokens per step."""
-    return [
-        *("--model", model_dir, "--dataset", "synthetic-chat:96", "--max-length", "128"),
-        *("--micro-batch", "2", "--max-steps", "4", "--lr", "1e-3", "--output-dir", out),
+    return [  # TRL's own flags (sft.py is a TrlParser script)
+        *("--model_name_or_path", model_dir, "--dataset_name", "synthetic-chat:96", "--packing", "true"),
+        *("--max_length", "128", "--per_device_train_batch_size", "2", "--max_steps", "4"),
+        *("--learning_rate", "1e-3", "--lr_scheduler_type", "cosine", "--warmup_steps", "0.03"),
+        *("--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--use_cpu", "true"),
+        *("--bf16", "false", "--activation_checkpointing", "false", "--num_train_epochs", "1"),
+        *("--disable_tqdm", "true", "--output_dir", out),
     ]
 
 

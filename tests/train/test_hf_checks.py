@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from ringft.train.hf.checks import check_no_accelerate_cp, check_trainer_options
-from ringft.train.hf.versions import SUPPORTED, check_versions
+from ringft.train.hf.versions import SUPPORTED, check_versions, install_command
 
 
 def test_installed_versions_are_supported():
@@ -29,6 +29,24 @@ def test_unsupported_version_is_refused(monkeypatch, package, version):
         RuntimeError, match=rf"tested with {package}>={low},<{high} but {version} is installed"
     ):
         check_versions(uses_trl=True)
+
+
+def test_pip_install_resolves_the_supported_set():
+    """setup.cfg's install_requires pins exactly the supported ranges, and the refusal's command
+    installs both packages inside them."""
+    import configparser
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    lines = [line for line in setup["options"]["install_requires"].split("\n") if line and line[0] != "#"]
+    needed = {r.name: r.specifier for r in map(Requirement, lines)}
+    for package, (low, high) in SUPPORTED.items():
+        assert str(needed[package]) in (f">={low},<{high}", f"<{high},>={low}"), package
+        assert f"'{package}>={low},<{high}'" in install_command()
+    assert install_command().startswith("pip install ")
 
 
 def test_trl_version_is_checked_only_for_trl_trainers(monkeypatch):

@@ -86,7 +86,7 @@ def test_zero3_matches_one_process(tmp_path, hf_two, hf_root, deepspeed_ops):
     out = tmp_path / "zero3"
     launch = [_accelerate(), "launch", "--config_file", str(tmp_path / "zero3.yaml"), str(RECIPE / "sft.py")]
     _run(
-        [*launch, *zero3_argv(str(hf_root / "tiny"), str(out)), "--cp-size", "2"],
+        [*launch, *zero3_argv(str(hf_root / "tiny"), str(out)), "--cp_size", "2"],
         launch_env(),
     )
     info = json.loads((out / "run_info.json").read_text())
