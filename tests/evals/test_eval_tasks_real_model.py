@@ -147,8 +147,8 @@ def _nll(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
 
 
 def _generation_oracle(model, tokenizer, samples) -> list[dict]:
-    from ringft.data.line_retrieval import encode_prompt
-    from ringft.data.long_tasks import score_prediction
+    from ringft.data.tokenizer import encode_prompt
+    from ringft.evals.long_tasks import score_prediction
 
     out = []
     for s in samples:
@@ -189,7 +189,7 @@ def _generation_oracle(model, tokenizer, samples) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    from ringft.data.long_tasks import generate_samples, resolve_tasks
+    from ringft.evals.long_tasks import generate_samples, resolve_tasks
 
     model, tokenizer = load_smollm2()
     folder = tmp_path_factory.mktemp("real-tasks")
