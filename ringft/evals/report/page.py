@@ -1,6 +1,6 @@
 """``ringft eval-report DIR...``: one page from the ``--output`` folders of ``ringft eval-*`` runs.
 
-Reads each folder's ``summary.json`` (an eval-lines folder written before it existed: its
+Reads each folder's ``summary.json`` (an eval-lines folder without one: its
 ``summary.csv``) and writes one Markdown (``--output report.md``) or HTML (``report.html``) page with
 a section per kind of run: perplexity by length, needle heatmaps, the RULER model x length table
 with effective lengths, line retrieval by length, the short-context check. Runs of one kind sit
