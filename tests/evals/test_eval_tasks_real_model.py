@@ -61,11 +61,11 @@ def cached_loader(path, dtype, device, rope_theta):
 
 
 def worker(rank: int, world: int, model: str, text: str, out: str) -> list[int]:
+    from ringft.evals.model import load_eval_model
     from ringft.evals.niah import task as niah
     from ringft.evals.ppl import task as ppl
     from ringft.evals.ruler import task as ruler
     from ringft.evals.short import task as short
-    from ringft.evals.model import load_eval_model
 
     _LOADED[None] = load_eval_model(model, torch.float32, torch.device("cpu"))  # read once
     _LOADED[THETA] = with_rope_theta(_LOADED[None], THETA)  # copied before the ring patches it
