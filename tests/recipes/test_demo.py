@@ -25,7 +25,7 @@ from ringft.data.line_retrieval.training import (
     make_synthetic_dataset,
 )
 from ringft.data.tokenizer import encode_prompt, load_tokenizer
-from ringft.evals import compare
+from ringft.evals.lines import compare
 from ringft.train.recipe import RecipeError, load_recipe, recipe_from_dict
 from tests.recipes.shell_stubs import check_command, launched, parsed_by, run_script, scratch_root
 
