@@ -1,9 +1,9 @@
 """Peak memory per rank of ``ringft eval-ppl``'s forward, measured vs the formula of
-``ringft.evals.memory`` (``ppl_peak_memory``), on CPU with CP = 2.
+``ringft.evals.ppl.memory`` (``ppl_peak_memory``), on CPU with CP = 2.
 
 Model: SmolLM2-135M's shape (LLaMA, 30 layers, hidden 576, 9/3 heads, MLP 1536, vocabulary 49152,
 tied embeddings), randomly initialised in fp32 (memory does not depend on the weights' values).
-Each rank runs exactly what eval-ppl runs per document: :func:`ringft.evals.nll.ring_token_nll`
+Each rank runs exactly what eval-ppl runs per document: :func:`ringft.evals.ppl.nll.ring_token_nll`
 (one ring forward without a cache, the head in ``--chunk-size`` token chunks, one all-reduce of the
 per-token vector). Peak = rise of the process's RSS during that call: the kernel's high-water mark
 is reset first (``echo 5 > /proc/self/clear_refs``), peak = ``VmHWM`` after minus ``VmRSS`` before
@@ -67,7 +67,7 @@ def worker(rank: int, world: int, jobs: list[tuple[int, int]]) -> list[dict[str,
     import torch
     from transformers import LlamaForCausalLM
 
-    from ringft.evals.nll import ring_token_nll
+    from ringft.evals.ppl.nll import ring_token_nll
     from ringft.model.inference import RingInference
 
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     from benchmarks.machine import describe_machine
-    from ringft.evals.memory import ppl_peak_memory
+    from ringft.evals.ppl.memory import ppl_peak_memory
     from ringft.ops.spawn import run_distributed
 
     seqs = [int(s) for s in args.seqs.split(",")]

@@ -146,7 +146,7 @@ def _run_hf(kind: str, out: Path, a: argparse.Namespace, meter: StepMeter) -> No
     )
 
     from ringft import RingTrainerMixin
-    from ringft.data.line_retrieval.tokenizer import load_tokenizer
+    from ringft.data.tokenizer import load_tokenizer
 
     class Meter(TrainerCallback):
         def on_step_begin(self, *args: Any, **kwargs: Any) -> None:

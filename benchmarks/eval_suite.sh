@@ -35,7 +35,7 @@ demo)
   python - "$D/records.jsonl" <<'EOF'
 import json, sys
 from ringft.data.line_retrieval import make_line_cases
-from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
+from ringft.data.tokenizer import load_demo_tokenizer
 # Held-out line-retrieval records (seed 123, not a training seed) in the demo's own wording.
 cases = make_line_cases(load_demo_tokenizer(), [600], [0.5], 16, seed=123, prompt_style="ringft")
 with open(sys.argv[1], "w") as fh:

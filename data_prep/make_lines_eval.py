@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
-    from ringft.data.line_retrieval import RecordTooShortError, make_line_cases, save_cases_jsonl
-    from ringft.data.line_retrieval.tokenizer import load_tokenizer
+    from ringft.data.line_retrieval import RecordTooShortError
+    from ringft.data.tokenizer import load_tokenizer
     from ringft.evals.checks import (
         EvalInputError,
         check_positive,
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         parse_lengths,
         too_short_error,
     )
+    from ringft.evals.lines.cases import make_line_cases
+    from ringft.evals.lines.files import save_cases_jsonl
 
     args = parse_args(argv)
     try:

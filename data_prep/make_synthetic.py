@@ -41,8 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
-    from ringft.data.line_retrieval.tokenizer import load_tokenizer
     from ringft.data.line_retrieval.training import make_synthetic_dataset
+    from ringft.data.tokenizer import load_tokenizer
 
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)

@@ -28,7 +28,7 @@ try:
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from ringft.data import packing
-from ringft.data.line_retrieval.tokenizer import load_tokenizer  # noqa: E402
+from ringft.data.tokenizer import load_tokenizer  # noqa: E402
 from ringft.ops.values import parse_tokens  # noqa: E402
 
 SUMMARY_FILE = "pack_summary.json"

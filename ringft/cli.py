@@ -35,7 +35,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _eval_lines(argv: list[str]) -> int:
-    from ringft.evals.lines import main as eval_main
+    from ringft.evals.lines.task import main as eval_main
 
     return eval_main(argv)
 
@@ -58,11 +58,11 @@ def _plan(argv: list[str]) -> int:
 COMMANDS = {
     "train": _train,
     "eval-lines": _eval_lines,
-    "eval-ppl": _task("ppl"),
-    "eval-niah": _task("niah"),
-    "eval-ruler": _task("ruler"),
-    "eval-short": _task("short"),
-    "eval-report": _task("report"),
+    "eval-ppl": _task("ppl.task"),
+    "eval-niah": _task("niah.task"),
+    "eval-ruler": _task("ruler.task"),
+    "eval-short": _task("short.task"),
+    "eval-report": _task("report.page"),
     "plan": _plan,
 }
 

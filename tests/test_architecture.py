@@ -131,6 +131,89 @@ def test_no_import_cycles():
             visit(node, [])
 
 
+def _module_edges() -> dict[str, set[str]]:
+    """Module -> the ringft modules it imports (``from pkg import sub`` names the submodule ``pkg.sub``
+    when there is one, else ``pkg``); TYPE_CHECKING and function-level imports included."""
+    modules = {_module_name(path): path for path in _sources()}
+    graph: dict[str, set[str]] = {}
+    for me, path in modules.items():
+        targets = graph.setdefault(me, set())
+        for target, names, _ in _imports(path):
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            if len(subs) < len(names) or not names:
+                targets.add(target)
+            targets.update(subs)
+        targets.discard(me)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    cycles = []
+    for component in components:
+        inside = set(component)
+        start, trail, seen = component[0], [component[0]], {component[0]}
+        while True:  # walk inside the component until a node repeats: that loop is a cycle
+            nxt = min(graph[trail[-1]] & inside)
+            if nxt in seen:
+                cycles.append([*trail[trail.index(nxt) :], nxt])
+                break
+            trail.append(nxt)
+            seen.add(nxt)
+        del start
+    return cycles
+
+
+def test_no_module_import_cycles():
+    """No module imports itself through others, package ``__init__`` modules included; lazy and
+    TYPE_CHECKING imports count (a cycle hidden by them still ties the modules into one)."""
+    cycles = _cycles(_module_edges())
+    assert not cycles, "module import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert sorted(map(tuple, _cycles(graph))) == [("a", "b", "c", "a"), ("e", "e2", "e")]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_ops_never_imports_transformers():
     for path in sorted((PACKAGE / "ops").rglob("*.py")):
         tree = ast.parse(path.read_text())

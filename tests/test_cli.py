@@ -119,7 +119,7 @@ def test_plain_renders_rest():
 
 
 def test_niah_depths_speak_of_needles(capsys):
-    from ringft.evals.niah import main as niah_main
+    from ringft.evals.niah.task import main as niah_main
 
     assert niah_main(["--model", "none", "--depths", "1.5", "--no-progress"]) == 2
     captured = capsys.readouterr()

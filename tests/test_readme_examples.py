@@ -105,7 +105,7 @@ def _is_own_loop(block: Block) -> bool:
 def tiny_model_dir(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ringft.data.line_retrieval.tokenizer import load_tokenizer
+    from ringft.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("demo")
     torch.manual_seed(0)

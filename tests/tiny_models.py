@@ -62,7 +62,7 @@ def save_tiny_model(path: Path, vocab_size: int | None = None, max_positions: in
     """A 1-layer random LLaMA with the demo tokenizer, saved with save_pretrained (a few 100 KB)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
+    from ringft.data.tokenizer import load_demo_tokenizer
 
     tok = load_demo_tokenizer()
     torch.manual_seed(0)

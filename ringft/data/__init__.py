@@ -1,7 +1,7 @@
-"""Data side: the CP collator, corpus packing, line retrieval (``line_retrieval``: LongChat-style
-records, their prompt text, cases, scoring, synthetic training examples and the demo tokenizer) and
-the long-context evaluation tasks (``long_tasks``: LongLoRA's passkey, RULER's synthetic tasks, their
-scoring and effective length).
+"""The training data path: the CP collator, corpus packing (``packing``, ``packer``, ``corpus``),
+Trainer / TRL batches for the ring (``hf_batch``), tokenizers (``tokenizer``), the longest input that
+fits a token budget (``fit``), stable seeds (``seeds``) and line-retrieval records with the synthetic
+training examples built from them (``line_retrieval``).
 
 Only the collator and the packer (``packer.pack_rows``) are imported here (``packing`` and
 ``line_retrieval.training`` pull in ``datasets``).

@@ -55,9 +55,7 @@ def parse_depths(text: str, meaning: str = "0 = first line, 1 = last line") -> l
         except ValueError:
             raise _flag_error("--depths", text, f"{item.strip()!r} is not a number") from None
         if not 0.0 <= depth <= 1.0:  # also refuses nan
-            raise _flag_error(
-                "--depths", text, f"{item.strip()} is outside [0, 1] ({meaning})"
-            )
+            raise _flag_error("--depths", text, f"{item.strip()} is outside [0, 1] ({meaning})")
         if depth in depths:
             raise _flag_error("--depths", text, f"{depth:g} is given twice")
         depths.append(depth)

@@ -10,9 +10,10 @@ with a progress bar, and the main process writes the merged ``results.jsonl`` an
 summaries. Every rank must call :func:`run_task` with the same arguments; a failure on any rank
 (a full disk) ends every rank, named once.
 
-A task is an :class:`EvalTask`: the cases it evaluates (built before any model loads), each
-case's key, the models a case needs (``roles``: the harness loads each group of cases' models once),
-how one case is evaluated (``evaluate``, given a :class:`Runner`), and its summaries (``finish``).
+A task is a :class:`ringft.evals.task.EvalTask`: its typed options, the cases it evaluates (built
+before any model loads), each case's key, the models a case needs (``roles``: the harness loads each
+group of cases' models once), how one case is evaluated (``evaluate``, given a
+:class:`ringft.evals.task.Runner`), and its summaries (``finish``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -29,104 +28,10 @@ import torch
 
 from ringft.evals.checks import EvalInputError
 from ringft.evals.store import ResultsWriteError
-from ringft.ops import BACKENDS
+from ringft.evals.task import EvalTask, ModelLoader, ModelRef, Runner
+from ringft.ops import BACKENDS, dtype_from_name
 from ringft.ops.helptext import plain
 from ringft.ops.validate import PeerFailed, run_together
-
-#: ``load_model(path, dtype, device, rope_theta) -> model``; the default reads the weights
-#: (:func:`ringft.evals.model.load_eval_model`). Tests pass one that reuses a loaded model.
-ModelLoader = Callable[[str, torch.dtype, torch.device, "float | None"], torch.nn.Module]
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """One model a task evaluates: its ``role`` ("model"; "baseline" for a base model), its
-    ``path`` (folder, hub name or LoRA adapter folder) and a RoPE theta override."""
-
-    role: str
-    path: str
-    rope_theta: float | None = None
-
-
-@dataclass
-class Context:
-    """What a task sees before any model loads: the options, the tokenizer, each role's config
-    (no weights), the number of processes and whether this is the main process."""
-
-    args: argparse.Namespace
-    tokenizer: Any
-    configs: dict[str, Any]
-    processes: int = 1
-    main: bool = True
-
-
-@dataclass
-class Runner:
-    """What :meth:`EvalTask.evaluate` gets: the ring engine of each loaded role
-    (:class:`ringft.model.inference.RingInference`), the tokenizer, each role's generation stop
-    ids, and the task's :meth:`EvalTask.runner_extra` values."""
-
-    engines: dict[str, Any]
-    tokenizer: Any
-    stop_ids: dict[str, list[int]]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class EvalTask:
-    """A task plugged into the harness. Override what differs; every method runs on every rank."""
-
-    command = "eval"  #: the subcommand, e.g. "eval-lines" (messages start "ringft <command>:")
-    default_output = "outputs/eval"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        """The task's own options (the common ones are :func:`add_common_arguments`)."""
-
-    def check_args(self, args: argparse.Namespace) -> None:
-        """Option checks that read nothing (EvalInputError); run first."""
-
-    def models(self, args: argparse.Namespace) -> list[ModelRef]:
-        """The models the run evaluates; the first is the one under evaluation ("model")."""
-        return [ModelRef("model", args.model, args.rope_theta)]
-
-    def settings(self, args: argparse.Namespace) -> dict[str, Any]:
-        """Task options that change every case's result (stored results are keyed by them)."""
-        return {}
-
-    def cases(self, ctx: Context) -> list[Any]:
-        """Every case of the run, in order, built with no model loaded (EvalInputError)."""
-        raise NotImplementedError
-
-    def key(self, case: Any) -> str:
-        """A finished case's key in the results (everything about the case that changes its result)."""
-        raise NotImplementedError
-
-    def roles(self, case: Any) -> tuple[str, ...]:
-        """The models a case runs on (all loaded together); consecutive cases share loads."""
-        return ("model",)
-
-    def warning(self, ctx: Context, cases: list[Any]) -> str | None:
-        """One warning line for the main process (positions past the trained length), or None."""
-        return None
-
-    def save_cases(self, cases: list[Any], folder: Any) -> None:
-        """Main process, before evaluating: write the cases for reuse (optional)."""
-
-    def runner_extra(self, args: argparse.Namespace) -> dict[str, Any]:
-        """Task values handed to :meth:`evaluate` in ``Runner.extra``."""
-        return {}
-
-    def evaluate(self, runner: Runner, case: Any) -> dict[str, Any]:
-        """Evaluate one case on the ring (every rank of the CP group calls it); its JSON record."""
-        raise NotImplementedError
-
-    def score(self, records: list[dict[str, Any]], ctx: Context) -> None:
-        """Main process, before ``results.jsonl`` is written: add verdicts that depend on options
-        outside the results' key (eval-lines: ``--scoring``), in place."""
-
-    def finish(self, records: list[dict[str, Any]], ctx: Context, layout: Any) -> str:
-        """Main process: write the summaries from the finished records (in case order); the text
-        to print. OSError from a write is reported with its path."""
-        raise NotImplementedError
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, task: EvalTask) -> None:
@@ -214,8 +119,7 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
     from tqdm.auto import tqdm
 
     from ringft.evals.model import load_eval_model
-    from ringft.evals.plan import check_layout, prepare_run
-    from ringft.ops import dtype_from_name
+    from ringft.evals.prepare import check_layout, prepare_run
     from ringft.ops.parallel import build_layout
 
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -228,7 +132,8 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
     # Every bad input is found here, before any model loads; every rank stops with it, named once,
     # and every rank finishes reading --output before the main process writes to it.
     plan = run_together(check)
-    layout = build_layout(args.cp or state.num_processes, state.device.type)
+    opts = plan.ctx.options
+    layout = build_layout(opts.cp or state.num_processes, state.device.type)
     main_process = state.is_main_process
     if main_process:
         for line in [plan.warning, *plan.notes]:
@@ -236,17 +141,17 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
                 print(f"{prog}: warning: {line}", file=sys.stderr)
     run_together(plan.start, here=main_process)
 
-    dtype = dtype_from_name(args.dtype, allowed=("bf16", "fp32"))
+    dtype = dtype_from_name(opts.dtype, allowed=("bf16", "fp32"))
     load = load_model or load_eval_model
-    models = _Models(task.models(args), load, dtype, state.device, layout.cp_group, args.backend)
+    models = _Models(task.models(opts), load, dtype, state.device, layout.cp_group, opts.backend)
     writer = layout.cp_rank == 0
-    hide = args.no_progress or not main_process
+    hide = opts.no_progress or not main_process
     for roles, group in role_groups(task, plan.cases):
         todo = [c for c in group if task.key(c) not in plan.done]
         if not todo:
             continue
         models.need(roles, plan.ctx.tokenizer)
-        runner = Runner(models.engines, plan.ctx.tokenizer, models.stop_ids, task.runner_extra(args))
+        runner = Runner(models.engines, plan.ctx.tokenizer, models.stop_ids, task.runner_extra(opts))
         mine = todo[layout.dp_rank :: layout.dp_size]
         steps = -(-len(todo) // layout.dp_size)  # the same on every rank: one agreement per step
         desc = f"{task.command} {'+'.join(roles)} dp{layout.dp_rank}"

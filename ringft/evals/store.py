@@ -18,8 +18,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ringft.data.line_retrieval import LineCase
-
 SETTINGS_FILE = "settings.json"
 RESULTS_GLOB = "results-dp*.jsonl"
 
@@ -36,12 +34,6 @@ def write_error(path: Path, exc: OSError) -> ResultsWriteError:
     """One-line error for a failed write: ``cannot write PATH: no space left on device``."""
     reason = (exc.strerror or str(exc) or type(exc).__name__).lower()
     return ResultsWriteError(f"cannot write {path}: {reason}")
-
-
-def case_key(case: LineCase) -> str:
-    """A finished case's key: its cell, index and seed (readable) and a hash of its final prompt."""
-    digest = hashlib.sha256(case.prompt.encode()).hexdigest()[:16]
-    return f"{case.source}|{case.length}|{case.depth}|{case.case_index}|{case.seed}|{digest}"
 
 
 def tokenizer_identity(tokenizer: Any) -> str:

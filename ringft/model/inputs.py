@@ -23,7 +23,7 @@ all_gather when some row is not plain ``0..S-1``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,6 @@ from ringft.ops.cp_sharding import cp_position_ids, cp_unshard
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, cu_seqlens_from_position_ids, document_plan
 from ringft.ops.sharding import local_length_problem, zigzag_padded_length
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
-
-if TYPE_CHECKING:
-    from ringft.model.patch import RingSpec
 
 __all__ = [
     "CHECKED",
@@ -163,7 +160,7 @@ def take_document_offsets(
     return rows, problems
 
 
-def _plain_positions(positions: torch.Tensor, spec: RingSpec) -> bool:
+def _plain_positions(positions: torch.Tensor, spec: Any) -> bool:
     """Whether ``positions`` ``(batch or 1, seq_local)`` are this rank's plain positions ``0..S-1``
     (zigzag; Ulysses x ring: :func:`cp_position_ids`), one document per row: nothing to mask
     beyond causality."""
@@ -172,7 +169,7 @@ def _plain_positions(positions: torch.Tensor, spec: RingSpec) -> bool:
     return bool((positions == expected).all())
 
 
-def _offsets_from_positions(positions: torch.Tensor | None, spec: RingSpec) -> list[list[int]]:
+def _offsets_from_positions(positions: torch.Tensor | None, spec: Any) -> list[list[int]]:
     """Global document offsets from every rank's ``positions`` (one all_gather over the CP group,
     unsharded by the CP layout, and a host copy)."""
     if spec.size > 1:
@@ -184,7 +181,7 @@ def _offsets_from_positions(positions: torch.Tensor | None, spec: RingSpec) -> l
     return cu_seqlens_from_position_ids(positions)
 
 
-def _plan(offsets: list[list[int]], seq_len: int, batch: int, spec: RingSpec) -> DocumentPlan | None:
+def _plan(offsets: list[list[int]], seq_len: int, batch: int, spec: Any) -> DocumentPlan | None:
     """This rank's plan (for its *ring* rank and the ring's size: the ring masks the documents),
     or None when every row is one document (the unmasked schedule)."""
     if all(len(row) == 2 for row in offsets):
@@ -193,10 +190,11 @@ def _plan(offsets: list[list[int]], seq_len: int, batch: int, spec: RingSpec) ->
     return None if plan.single else plan
 
 
-def check_forward_inputs(spec: RingSpec, config, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def check_forward_inputs(spec: Any, config, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """The decoder pre-hook's work on ``kwargs`` (modified in place): refuse what the ring cannot
     run exactly, on every rank together; drop an all-ones mask, default ``use_cache`` to False, and
-    hand the attention calls this forward's :class:`DocumentPlan` and the mark that it was checked."""
+    hand the attention calls this forward's :class:`DocumentPlan` and the mark that it was checked
+    (``spec``: the model's :class:`ringft.model.patch.RingSpec`)."""
     cache = kwargs.get("ring_cache")
     ids = kwargs.get("input_ids", args[0] if args else None)
     ids = kwargs.get("inputs_embeds") if ids is None else ids

@@ -38,7 +38,7 @@ def _first_line(exc: BaseException) -> str:
 
 def build_tokenizer(recipe: Recipe) -> Any:
     """The recipe's tokenizer (``model.tokenizer``, default ``model.name_or_path``; "demo" = shipped)."""
-    from ringft.data.line_retrieval.tokenizer import load_tokenizer
+    from ringft.data.tokenizer import load_tokenizer
 
     name = recipe.model.tokenizer or recipe.model.name_or_path
     if name is None:

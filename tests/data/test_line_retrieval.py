@@ -1,9 +1,8 @@
-"""Tests for line-retrieval generation/scoring, the demo tokenizer and synthetic data."""
+"""Tests for line-retrieval records fitted to a length, the demo tokenizer and synthetic data."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -11,27 +10,18 @@ from pathlib import Path
 import pytest
 
 from ringft.data import line_retrieval as ld
-from ringft.data.line_retrieval import (
-    LINE_RE,
-    PREAMBLE,
-    LineCase,
-    encode_prompt,
-    extract_first_integer,
-    load_cases_jsonl,
-    make_line_case,
-    make_line_cases,
-    save_cases_jsonl,
-    score_answer,
-    target_index_for_depth,
-    unique_names,
-)
+from ringft.data.line_retrieval import LINE_RE, PREAMBLE, target_index_for_depth, unique_names
 from ringft.data.line_retrieval.text import NOUNS, RecordStream
-from ringft.data.line_retrieval.tokenizer import (
+from ringft.data.line_retrieval.training import make_synthetic_dataset, make_synthetic_example
+from ringft.data.seeds import derive_seed
+from ringft.data.tokenizer import (
     DEMO_TOKENIZER_DIR,
+    apply_template,
     build_demo_tokenizer,
+    encode_prompt,
     load_demo_tokenizer,
 )
-from ringft.data.line_retrieval.training import make_synthetic_dataset, make_synthetic_example
+from ringft.evals.lines.cases import LineCase, make_line_case, make_line_cases
 
 REPO = Path(__file__).resolve().parents[2]
 QUESTION_RE = re.compile(
@@ -69,7 +59,7 @@ def next_line_prompt(tokenizer, case: LineCase) -> str:
     n = case.num_lines + 1
     idx = target_index_for_depth(case.depth, n)
     text = ld.build_record_text(stream.names[:n], stream.numbers[:n], idx)
-    return ld.apply_template(tokenizer, text, case.chat_template)
+    return apply_template(tokenizer, text, case.chat_template)
 
 
 # --------------------------------------------------------------------------- format
@@ -162,7 +152,7 @@ def merging_tok():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ringft.data.line_retrieval.tokenizer import demo_corpus
+    from ringft.data.tokenizer import demo_corpus
 
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
@@ -261,7 +251,7 @@ def test_determinism(tok):
         (300, 1.0, 0),
         (300, 1.0, 1),
     ]
-    assert a[1].seed == ld.derive_seed("lines-eval", 5, 300, 0.0, 1)
+    assert a[1].seed == derive_seed("lines-eval", 5, 300, 0.0, 1)
 
 
 # --------------------------------------------------------------------------- chat template
@@ -286,80 +276,6 @@ def test_chat_template_applied_and_counted(tok):
 
 
 # --------------------------------------------------------------------------- scoring
-
-
-@pytest.mark.timeout(120)
-def test_extract_first_integer():
-    assert extract_first_integer("no number here") is None
-    assert extract_first_integer("") is None
-    assert extract_first_integer("12 and 34") == 12
-    assert extract_first_integer("The answer is <00123>.") == 123
-    assert extract_first_integer("line42 says 7") == 42  # digits glued to letters count
-    assert extract_first_integer("-17") == 17  # sign ignored
-    assert extract_first_integer("12,345 apples") == 12345  # thousands separators
-    assert extract_first_integer("1,234,567") == 1234567
-    assert extract_first_integer("12,34") == 12  # not a thousands group
-    assert extract_first_integer("12,3456") == 12
-    assert extract_first_integer("3.75") == 3
-    assert extract_first_integer("١٢٣ 5") == 5  # only ASCII digits
-
-
-@pytest.mark.timeout(120)
-def test_score_answer():
-    assert score_answer(" 31337</s>", "31337")
-    assert score_answer("The REGISTER_CONTENT is <31337>.", 31337)
-    assert score_answer("00123", "123")
-    assert not score_answer("I do not know.", "123")
-    assert not score_answer("12 or 123", "123")  # judged on the first number only
-    assert not score_answer("1234", "123")
-    assert score_answer("line brave-otter: REGISTER_CONTENT is <77>", "77")  # names: no digits
-
-
-# --------------------------------------------------------------------------- jsonl
-
-
-@pytest.mark.timeout(120)
-def test_jsonl_round_trip(tok, tmp_path):
-    cases = make_line_cases(tok, [400], [0.0, 0.5], 2, seed=1)
-    path = tmp_path / "sub" / "cases.jsonl"
-    save_cases_jsonl(cases, path)
-    assert len(path.read_text(encoding="utf-8").splitlines()) == len(cases)
-    loaded = load_cases_jsonl(path)
-    assert loaded == cases
-    assert LineCase.from_json(cases[0].to_json()) == cases[0]
-    assert LineCase.from_json(cases[0].to_dict()) == cases[0]
-    extra = dict(cases[0].to_dict(), unknown_field=1)
-    assert LineCase.from_json(json.dumps(extra)) == cases[0]
-
-
-@pytest.mark.timeout(120)
-def test_make_lines_eval_cli(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "make_lines_eval", REPO / "data_prep" / "make_lines_eval.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "cases.jsonl"
-    mod.main(
-        [
-            "--tokenizer",
-            "demo",
-            "--lengths",
-            "300,1k",
-            "--depths",
-            "0,1",
-            "--cases",
-            "2",
-            "--seed",
-            "0",
-            "--output",
-            str(out),
-        ]
-    )
-    cases = load_cases_jsonl(out)
-    assert len(cases) == 8
-    assert {c.length for c in cases} == {300, 1024}
-    assert all(c.num_tokens <= c.length for c in cases)
 
 
 # --------------------------------------------------------------------------- demo tokenizer

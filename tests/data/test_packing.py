@@ -369,7 +369,7 @@ def test_cli_checks_the_source_first_and_accepts_the_demo_tokenizer(tmp_path, ca
     assert not (tmp_path / "o").exists()
 
     monkeypatch.undo()
-    from ringft.data.line_retrieval.tokenizer import load_tokenizer
+    from ringft.data.tokenizer import load_tokenizer
 
     def no_hub(*args, **kwargs):
         raise AssertionError("asked the hub for a path-like tokenizer name")

@@ -57,7 +57,7 @@ def save_family_model(path: Path, name: str) -> None:
     """A 2-layer random model of family ``name`` (window 32) with its chat template and stop token."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
+    from ringft.data.tokenizer import load_demo_tokenizer
 
     model_type, extra, template, markers = FAMILIES[name]
     tok = load_demo_tokenizer()
@@ -77,7 +77,7 @@ def save_family_model(path: Path, name: str) -> None:
 
 def eval_runs(rank: int, world: int, models: list[str], tmp: str) -> int:
     """Every model: eval-lines on CP = 2, in one 2-process group."""
-    from ringft.evals.lines import main
+    from ringft.evals.lines.task import main
 
     for model in models:
         args = ["--model", model, "--lengths", str(LENGTH), "--depths", "0,1", "--cases", "1",
@@ -99,7 +99,7 @@ def _results(out: str) -> list[dict]:
 def test_eval_lines_with_chat_templates_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ringft.data.line_retrieval.cases import LineCase
+    from ringft.evals.lines.cases import LineCase
 
     models = []
     for name in FAMILIES:
@@ -149,13 +149,13 @@ def test_every_task_plans_with_the_family_config_and_template(tmp_path, name, mo
     import transformers
     from transformers import AutoTokenizer
 
-    from ringft.data.line_retrieval import encode_prompt
+    from ringft.data.tokenizer import encode_prompt
     from ringft.evals.harness import parse_task_args
-    from ringft.evals.niah import NiahTask
-    from ringft.evals.plan import prepare_run
-    from ringft.evals.ppl import PplTask
-    from ringft.evals.ruler import RulerTask
-    from ringft.evals.short import ShortTask
+    from ringft.evals.niah.task import NiahTask
+    from ringft.evals.ppl.task import PplTask
+    from ringft.evals.prepare import prepare_run
+    from ringft.evals.ruler.task import RulerTask
+    from ringft.evals.short.task import ShortTask
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded while planning")

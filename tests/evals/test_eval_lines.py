@@ -13,7 +13,7 @@ from ringft.ops.spawn import run_distributed
 
 
 def eval_worker(rank: int, world: int, model: str, out: str, cp: int) -> int:
-    from ringft.evals.lines import main
+    from ringft.evals.lines.task import main
 
     return main(
         [
@@ -80,7 +80,7 @@ def test_eval_lines_cp_matches_one_process_and_resumes(tmp_path, saved_tiny_mode
     assert run_distributed(two_process_runs, 2, str(model), str(tmp_path), timeout=200) == [0, 0]
     a, b = _results(one), _results(ring)
     assert len(a) == 8 and [r["key"] for r in a] == [r["key"] for r in b]
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
+    from ringft.data.tokenizer import load_demo_tokenizer
 
     vocab = len(load_demo_tokenizer())
     for x, y in zip(a, b, strict=True):
@@ -133,9 +133,9 @@ def test_defaults_stop_at_eos_and_one_prefill_per_case():
     generation and the teacher-forced score)."""
     from types import SimpleNamespace
 
-    from ringft.data.line_retrieval import make_line_case
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
-    from ringft.evals.lines import evaluate_case, parse_args, stop_token_ids
+    from ringft.data.tokenizer import load_demo_tokenizer
+    from ringft.evals.lines.cases import make_line_case
+    from ringft.evals.lines.task import evaluate_case, parse_args, stop_token_ids
 
     args = parse_args(["--model", "m"])
     assert (args.max_new_tokens, args.scoring, args.prompt_style) == (100, "longchat", None)  # None: longchat
@@ -159,7 +159,7 @@ def test_defaults_stop_at_eos_and_one_prefill_per_case():
 
 
 def test_summary_reports_accuracy_and_answer_probability(tmp_path):
-    from ringft.evals.summary import summarize
+    from ringft.evals.lines.summary import summarize
 
     def record(length, depth, correct, prob):
         return dict(length=length, depth=depth, correct=correct, answer_prob=prob, num_tokens=length - 3,

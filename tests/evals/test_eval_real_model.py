@@ -55,7 +55,7 @@ def longchat_rows(tokenizer) -> list[dict]:
 def oracle(tmp_path_factory):
     """The rows' file, and per row: prompt ids, greedy tokens, their top-1/top-2 margins, the answer's
     log-probability and the logits tolerance."""
-    from ringft.data.line_retrieval import extract_last_integer
+    from ringft.evals.lines.scoring import extract_last_integer
 
     model, tokenizer = load_smollm2()
     folder = tmp_path_factory.mktemp("longchat")
@@ -105,7 +105,7 @@ def oracle(tmp_path_factory):
 
 
 def eval_worker(rank: int, world: int, model: str, cases_file: str, out: str) -> int:
-    from ringft.evals.lines import main
+    from ringft.evals.lines.task import main
 
     argv = ["--model", model, "--cases-file", cases_file, "--output", out, "--dtype", "fp32"]
     argv += ["--backend", "torch", "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress"]
@@ -115,7 +115,7 @@ def eval_worker(rank: int, world: int, model: str, cases_file: str, out: str) ->
 @pytest.mark.numerics
 @pytest.mark.timeout(600)  # the one-process oracle alone took 300 s under load 10 on 2 cores
 def test_eval_lines_cp2_matches_one_process_generate(oracle, tmp_path):
-    from ringft.data.line_retrieval import extract_first_integer, extract_last_integer
+    from ringft.evals.lines.scoring import extract_first_integer, extract_last_integer
 
     path, expected = oracle
     out = tmp_path / "eval"

@@ -67,7 +67,7 @@ def runs(tmp_path) -> list[Path]:
 
 
 def test_markdown_and_html_pages(runs, tmp_path):
-    from ringft.evals.report import build_report
+    from ringft.evals.report.page import build_report
 
     labels = ["base", "extended", "extended", "extended", "extended vs base", "base"]
     page = build_report([str(r) for r in runs], tmp_path / "report" / "page.md", labels)

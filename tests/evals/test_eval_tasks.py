@@ -212,8 +212,8 @@ def test_bad_inputs_one_line_before_any_model_loads(folder, monkeypatch):
 
 
 def test_texts_files_globs_jsonl_datasets_and_concat(folder):
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
-    from ringft.evals.texts import make_documents, read_texts
+    from ringft.data.tokenizer import load_demo_tokenizer
+    from ringft.evals.ppl.texts import make_documents, read_texts
 
     tok = load_demo_tokenizer()
     texts = read_texts([str(folder / "*.txt"), str(folder / "docs.jsonl"), str(folder / "dataset")])
@@ -240,7 +240,7 @@ def test_texts_files_globs_jsonl_datasets_and_concat(folder):
 def test_sliding_windows_score_every_token_once_with_enough_context(monkeypatch):
     """Each token t >= 1 is scored by exactly one window, which holds it and at least window - stride
     earlier tokens (all of them within the first window)."""
-    import ringft.evals.nll as nll_mod
+    import ringft.evals.ppl.nll as nll_mod
 
     seen = []
 
@@ -263,7 +263,7 @@ def test_sliding_windows_score_every_token_once_with_enough_context(monkeypatch)
 
 
 def test_log_bins_partition_the_positions():
-    from ringft.evals.nll import binned_sums, log_bins, prefix_sums
+    from ringft.evals.ppl.nll import binned_sums, log_bins, prefix_sums
 
     for n in (2, 3, 17, 1024, 1000, 16384):
         bins = log_bins(n)
@@ -277,7 +277,7 @@ def test_log_bins_partition_the_positions():
 def test_parameter_count_matches_transformers():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ringft.evals.memory import parameter_count, ppl_peak_memory
+    from ringft.evals.ppl.memory import parameter_count, ppl_peak_memory
 
     for tied in (True, False):
         config = LlamaConfig(
@@ -298,7 +298,7 @@ def test_parameter_count_matches_transformers():
 def test_results_resume_and_are_keyed(folder):
     """A finished run is not evaluated again; another seed is other cases (evaluated, the old ones
     kept); other settings are refused, naming the difference; the summaries are rebuilt."""
-    import ringft.evals.generation as gen_mod
+    import ringft.evals.long_tasks.generation as gen_mod
 
     calls = []
     real = gen_mod.GenerationTask.evaluate
@@ -342,7 +342,7 @@ def test_figures_red_to_green_heatmap_and_ppl_labelled_a_sanity_check(folder, mo
     import matplotlib
     from matplotlib.axes import Axes
 
-    import ringft.evals.ppl_summary as ppl_summary
+    import ringft.evals.ppl.summary as ppl_summary
     from ringft.evals.figures import curves, heatmaps
 
     seen, titles = [], []
@@ -378,7 +378,7 @@ def test_figures_red_to_green_heatmap_and_ppl_labelled_a_sanity_check(folder, mo
 
 def test_short_regression_flag_at_the_stated_threshold():
     """eval-short flags a perplexity rise strictly above --max-ppl-increase percent, never a fall."""
-    from ringft.evals.short import regression_verdict
+    from ringft.evals.short.task import regression_verdict
 
     for base, model, limit, increase, flagged in (
         (10.0, 10.5, 5.0, 5.0, False),

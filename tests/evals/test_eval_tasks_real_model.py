@@ -61,8 +61,11 @@ def cached_loader(path, dtype, device, rope_theta):
 
 
 def worker(rank: int, world: int, model: str, text: str, out: str) -> list[int]:
-    from ringft.evals import niah, ppl, ruler, short
     from ringft.evals.model import load_eval_model
+    from ringft.evals.niah import task as niah
+    from ringft.evals.ppl import task as ppl
+    from ringft.evals.ruler import task as ruler
+    from ringft.evals.short import task as short
 
     _LOADED[None] = load_eval_model(model, torch.float32, torch.device("cpu"))  # read once
     _LOADED[THETA] = with_rope_theta(_LOADED[None], THETA)  # copied before the ring patches it
@@ -147,8 +150,8 @@ def _nll(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
 
 
 def _generation_oracle(model, tokenizer, samples) -> list[dict]:
-    from ringft.data.line_retrieval import encode_prompt
-    from ringft.data.long_tasks import score_prediction
+    from ringft.data.tokenizer import encode_prompt
+    from ringft.evals.long_tasks import score_prediction
 
     out = []
     for s in samples:
@@ -189,7 +192,7 @@ def _generation_oracle(model, tokenizer, samples) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    from ringft.data.long_tasks import generate_samples, resolve_tasks
+    from ringft.evals.long_tasks import generate_samples, resolve_tasks
 
     model, tokenizer = load_smollm2()
     folder = tmp_path_factory.mktemp("real-tasks")

@@ -24,7 +24,7 @@ SMALL = ["--lengths", "144", "--depths", "0,1", "--cases", "1", "--max-new-token
 def run_main(argv: list[str]) -> tuple[int, str]:
     """``ringft eval-lines`` in this process: (exit code, the lines it printed on stderr itself;
     progress bars of the libraries it calls are left out)."""
-    from ringft.evals.lines import main
+    from ringft.evals.lines.task import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -43,7 +43,7 @@ def _no_model_loads(monkeypatch) -> None:
 
 
 def test_bad_inputs_one_line_before_any_model_loads(saved_tiny_model, tmp_path, monkeypatch):
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
+    from ringft.data.tokenizer import load_demo_tokenizer
 
     VOCAB = len(load_demo_tokenizer())  # noqa: N806
     _no_model_loads(monkeypatch)
@@ -107,7 +107,8 @@ def test_bad_inputs_one_line_before_any_model_loads(saved_tiny_model, tmp_path, 
     code, err = run_main([*model, *BASE, "--cases-file", str(bad_cases), "--output", str(out)])
     assert "line 1:" in err
     good = tmp_path / "cases.jsonl"
-    from ringft.data.line_retrieval import make_line_cases, save_cases_jsonl
+    from ringft.evals.lines.cases import make_line_cases
+    from ringft.evals.lines.files import save_cases_jsonl
 
     save_cases_jsonl(make_line_cases(load_demo_tokenizer(), [200], [0.5], 2, seed=0), good)
     good.write_text(good.read_text() + "\n" + '{"answer": 3}\n')
@@ -135,7 +136,7 @@ def _results(out: Path) -> list[dict]:
 
 def one_process_scenarios(rank: int, world: int, model: str, other: str, folder: str) -> list[str]:
     """Resume and results-file faults in one process group (world = 1); returns checked names."""
-    import ringft.evals.lines as lines_mod
+    import ringft.evals.lines.task as lines_mod
 
     calls = []
     real = lines_mod.evaluate_case
@@ -265,7 +266,7 @@ def failing_writer(
     code, err = run_main(["--model", model, *BASE, *SMALL, "--cp", "3", "--output", f"{folder}-cp3"])
     outcome.append((code, err, 0.0))
     # Disk full while the main process writes the summary: every rank exits 1 (old code: rank 1 0).
-    import ringft.evals.lines as lines_mod
+    import ringft.evals.lines.task as lines_mod
 
     summarize = lines_mod.summarize
 
@@ -318,9 +319,8 @@ def test_io_error_on_one_rank_ends_every_rank(saved_tiny_model, tmp_path):
 def test_case_keys_keep_prompt_styles_apart():
     """Results of another prompt style in the same --output are other cases (their prompt hash
     differs), never reused; the same case keeps its key."""
-    from ringft.data.line_retrieval import make_line_case
-    from ringft.data.line_retrieval.tokenizer import load_demo_tokenizer
-    from ringft.evals.store import case_key
+    from ringft.data.tokenizer import load_demo_tokenizer
+    from ringft.evals.lines.cases import case_key, make_line_case
 
     tok = load_demo_tokenizer()
     keys = {

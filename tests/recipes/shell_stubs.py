@@ -138,7 +138,7 @@ def _check_ringft(argv: list[str], data_dir: Path) -> str:
             overrides += ["--data.path", str(data_dir)]
         load_recipe(REPO / recipe, overrides)
     elif sub == "eval-lines":
-        from ringft.evals.lines import main
+        from ringft.evals.lines.task import main
 
         parsed_by(main, rest)
     else:

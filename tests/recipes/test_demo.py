@@ -16,14 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ringft.data.line_retrieval.text import (
-    PREAMBLE,
-    QUESTION_TEMPLATE,
-    build_record_text,
-    encode_prompt,
-    render_line,
-)
-from ringft.data.line_retrieval.tokenizer import load_tokenizer
+from ringft.data.line_retrieval.text import PREAMBLE, QUESTION_TEMPLATE, build_record_text, render_line
 from ringft.data.line_retrieval.training import (
     LAST_LINE_SHARE,
     make_multi_question_example,
@@ -31,7 +24,8 @@ from ringft.data.line_retrieval.training import (
     make_repeat_example,
     make_synthetic_dataset,
 )
-from ringft.evals import compare
+from ringft.data.tokenizer import encode_prompt, load_tokenizer
+from ringft.evals.lines import compare
 from ringft.train.recipe import RecipeError, load_recipe, recipe_from_dict
 from tests.recipes.shell_stubs import check_command, launched, parsed_by, run_script, scratch_root
 
@@ -175,7 +169,7 @@ def test_demo_script_evaluates_before_and_after_on_the_ring(tmp_path):
     overrides passed on), evaluates the extension's export on the same grid, then compares the
     two; every command is one its program accepts. Without the base model: one line, exit 2,
     nothing run."""
-    from ringft.evals.lines import main as eval_main
+    from ringft.evals.lines.task import main as eval_main
 
     root = scratch_root(tmp_path)
     run = run_script(root, DEMO_SCRIPT.name, "--train.max_steps", "50")

@@ -136,8 +136,8 @@ def test_wrappers_launch_the_stages_and_the_measurement(tmp_path):
         assert check_command(command[:-2], tmp_path) == "ringft train"  # (max_steps 3 < the warmup)
     assert _dry_run("run.sh", NUM_GPUS="2")[0][4:6] == ["--num_processes", "2"]
 
-    from ringft.evals.compare import parse_args as compare_args
-    from ringft.evals.lines import parse_args as eval_args
+    from ringft.evals.lines.compare import parse_args as compare_args
+    from ringft.evals.lines.task import parse_args as eval_args
 
     commands = _dry_run("measure.sh", "--cp", "1")
     evals = [c[c.index("eval-lines") + 1 :] for c in commands if "eval-lines" in c]

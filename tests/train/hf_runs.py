@@ -73,7 +73,7 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
 
 
 def tokenizer():
-    from ringft.data.line_retrieval.tokenizer import load_tokenizer
+    from ringft.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer("demo")
     tok.padding_side = "right"

@@ -1,23 +1,12 @@
-"""Line retrieval ("LongChat lines"), in one place: prompt text and names (``text``), fitting a record
-to a token budget (``fit``), eval cases (``cases``), LongChat's case files (``files``), answer scoring
-(``scoring``), synthetic training examples (``training``) and the offline demo tokenizer
-(``tokenizer``). The evaluation that runs these cases on the ring is ``ringft.evals.lines``."""
+"""Line-retrieval ("LongChat lines") records: prompt text and names (``text``), a record fitted to a
+token budget (``record``) and synthetic training examples (``training``, which pulls in ``datasets``).
+The evaluation built on these records (its cases, case files and scoring) is :mod:`ringft.evals.lines`."""
 
-from ringft.data.line_retrieval.cases import LineCase, make_line_case, make_line_cases
-from ringft.data.line_retrieval.files import CasesFileError, load_cases_jsonl, longchat_case, save_cases_jsonl
-from ringft.data.line_retrieval.fit import (
+from ringft.data.line_retrieval.record import (
     FittedRecord,
     RecordTooShortError,
-    derive_seed,
     fit_record,
     target_index_for_depth,
-)
-from ringft.data.line_retrieval.scoring import (
-    SCORING_RULES,
-    extract_answer,
-    extract_first_integer,
-    extract_last_integer,
-    score_answer,
 )
 from ringft.data.line_retrieval.text import (
     ADJECTIVES,
@@ -33,11 +22,8 @@ from ringft.data.line_retrieval.text import (
     QUESTION_TEMPLATE,
     PromptStyle,
     RecordStream,
-    apply_template,
     build_record_text,
-    encode_prompt,
     get_prompt_style,
-    has_chat_template,
     name_capacity,
     render_line,
     unique_names,
@@ -55,31 +41,15 @@ __all__ = [
     "PREAMBLE",
     "PROMPT_STYLES",
     "QUESTION_TEMPLATE",
-    "SCORING_RULES",
-    "CasesFileError",
     "FittedRecord",
-    "LineCase",
     "PromptStyle",
     "RecordStream",
     "RecordTooShortError",
-    "apply_template",
     "build_record_text",
-    "derive_seed",
-    "encode_prompt",
-    "extract_answer",
-    "extract_first_integer",
-    "extract_last_integer",
     "fit_record",
     "get_prompt_style",
-    "has_chat_template",
-    "load_cases_jsonl",
-    "longchat_case",
-    "make_line_case",
-    "make_line_cases",
     "name_capacity",
     "render_line",
-    "save_cases_jsonl",
-    "score_answer",
     "target_index_for_depth",
     "unique_names",
 ]

@@ -16,7 +16,6 @@ import random
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 PREAMBLE = (
     "Here is a record of lines that you need to remember. Every line starts with "
@@ -221,23 +220,3 @@ def build_record_text(
     chosen = get_prompt_style(prompt_style)
     body = "".join(render_line(n, v) for n, v in zip(names, numbers, strict=True))
     return chosen.header + body + chosen.question.format(name=names[target_index])
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    """Whether the tokenizer carries a chat template (prompts then go in one user turn)."""
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def apply_template(tokenizer: Any, text: str, chat_template: bool) -> str:
-    """Wrap ``text`` as a single user turn with the tokenizer's chat template if requested."""
-    if not chat_template:
-        return text
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-
-
-def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool = False) -> list[int]:
-    """Token ids of a final prompt (BOS added by the tokenizer only for raw prompts)."""
-    enc = tokenizer(prompt, add_special_tokens=not chat_template, verbose=False)
-    return list(enc["input_ids"])

@@ -7,15 +7,16 @@ import random
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from ringft.data.line_retrieval.cases import derive_seed, fit_record
+from ringft.data.line_retrieval.record import fit_record
 from ringft.data.line_retrieval.text import (
     MAX_NUMBER,
     PREAMBLE,
     QUESTION_TEMPLATE,
     RecordStream,
-    has_chat_template,
     render_line,
 )
+from ringft.data.seeds import derive_seed
+from ringft.data.tokenizer import has_chat_template
 
 
 def make_synthetic_example(
