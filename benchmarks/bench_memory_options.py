@@ -16,10 +16,11 @@ Two parts:
   ``recompute`` (untiled), measured and planned, divided by the tokens.
 - ``op``: the attention alone, ``zigzag_ring_attention`` forward + backward at one rank on the
   layer's q/k/v shapes (what the attention phase of a layer's backward holds), untiled and tiled;
-  "extra" = the peak above q, k, v and the output grad (benchmarks/bench_attention_tiles.py's
-  ``peak_extra``). Planned = the planner's attention-kernel parts (``ringft.planner.kernel``)
-  ``results + lse + max(workspace + tile_buffers, casts)``; on CPU torch's fused kernel has no
-  workspace, so the CPU comparison leaves ``workspace`` out (the GPU-only part, printed apart).
+  "extra" = the peak above q, k, v and the output grad (on CUDA benchmarks/bench_attention_tiles.py's
+  ``peak_extra``, on CPU the ``VmHWM`` rise). Planned = the planner's attention-kernel parts
+  (``ringft.planner.kernel``) ``results + lse + max(workspace + tile_buffers, casts)``; on CPU
+  torch's fused kernel has no workspace, so the CPU comparison leaves ``workspace`` out (the
+  GPU-only part, printed apart).
 
 Run: ``python benchmarks/bench_memory_options.py`` (fp32, 8K tokens; a few minutes on 2 cores);
 ``--dtype bf16``; ``--parts op`` for the attention alone. CUDA: ``--device cuda`` measures with
@@ -182,7 +183,14 @@ def measure_op(args: argparse.Namespace, tile: int | None) -> int:
     v, dout = torch.randn_like(k), torch.randn_like(q)
     fn = functools.partial(_ring, "torch", tile, q, k, v, dout)
     fn()  # warm-up
-    return peak_extra(fn, dev)
+    if args.device == "cuda":
+        return peak_extra(fn, dev)
+    # on CPU the kernel's high-water mark (a sampling thread can miss a short peak on a loaded core)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _kib("VmRSS") * 1024
+    fn()
+    return _kib("VmHWM") * 1024 - base
 
 
 def _child(args: argparse.Namespace, job: str) -> int:
@@ -252,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-chunk", type=int, default=1024)
     p.add_argument("--parts", default="step,op", help="step, op or both")
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # child: step:NAME or op:TILE
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # child: step:NAME[+NAME] or op:TILE
     return p
 
 
@@ -261,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.job:
         kind, value = args.job.split(":")
-        result = measure_step(args, value) if kind == "step" else measure_op(args, int(value) or None)
+        if kind == "step":  # NAME or NAME+NAME+...: each a fresh model in this process
+            names = value.split("+")
+            result = [measure_step(args, n) for n in names] if len(names) > 1 else measure_step(args, value)
+        else:
+            result = measure_op(args, int(value) or None)
         print(json.dumps(result))
         return 0
     from benchmarks.machine import describe_machine
