@@ -22,7 +22,7 @@ Two parts:
   torch's fused kernel has no workspace, so the CPU comparison leaves ``workspace`` out (the
   GPU-only part, printed apart).
 
-Run: ``python benchmarks/bench_memory_options.py`` (fp32, 8K tokens; a few minutes on 2 cores);
+Run: ``python benchmarks/bench_memory_options.py`` (fp32, 4K tokens, tiles of 1K; a few minutes on 2 cores);
 ``--dtype bf16``; ``--parts op`` for the attention alone. CUDA: ``--device cuda`` measures with
 ``max_memory_allocated`` and then compares the full planned terms (workspace included).
 """
@@ -251,8 +251,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--seq", type=int, default=8192, help="tokens (one sequence, CP 1)")
-    p.add_argument("--tile", type=int, default=2048, help="attention_tile_tokens of the tiled runs")
+    p.add_argument("--seq", type=int, default=4096, help="tokens (one sequence, CP 1)")
+    p.add_argument("--tile", type=int, default=1024, help="attention_tile_tokens of the tiled runs")
     p.add_argument("--heads", type=int, default=4, help="query heads of 128 (hidden = 128 x heads)")
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--layers", type=int, default=2)
