@@ -58,7 +58,7 @@ Option names are the recipes' names (``micro_batch_size``, ``attn_backend``, ``t
 
 Modules: :mod:`~ringft.planner.shapes` (model shapes, presets), :mod:`~ringft.planner.setup`
 (:class:`TrainingSetup`, :class:`MemoryPlan`), :mod:`~ringft.planner.formulas` (the terms),
-:mod:`~ringft.planner.states` (the model states),
+:mod:`~ringft.planner.states` (the model states), :mod:`~ringft.planner.kernel` (the attention kernel's),
 :mod:`~ringft.planner.plan` (:func:`plan_memory`), :mod:`~ringft.planner.search` (layouts,
 recommendation, longest sequence, fixes when nothing fits), :mod:`~ringft.planner.report` (text),
 :mod:`~ringft.planner.cli` (``ringft plan``), :mod:`~ringft.planner.timing` (step-time model of the

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ringft.ops.ulysses import kv_replication
+from ringft.planner.kernel import attention_kernel, attention_kernel_parts, kv_heads_sent
 from ringft.planner.setup import TrainingSetup
 from ringft.planner.shapes import ModelShape
 from ringft.planner.states import model_states
 
 __all__ = [
     "attention_kernel",
+    "attention_kernel_parts",
     "checkpointed",
     "kv_heads_sent",
     "layer_saved",
@@ -23,12 +24,6 @@ __all__ = [
     "loss_working_set",
     "model_states",
 ]
-
-
-def kv_heads_sent(m: ModelShape, s: TrainingSetup) -> int:
-    """K/V heads the attention works on: ``nkv``, times the copies Ulysses sends when
-    ``ulysses_size`` does not divide them (:func:`ringft.ops.ulysses.kv_replication`)."""
-    return m.kv_heads * (kv_replication(m.kv_heads, s.ulysses_size) if s.ulysses_size > 1 else 1)
 
 
 def _linear_inputs(s: TrainingSetup, modules: Sequence[str], in_features: int, rank: int) -> tuple[bool, int]:
@@ -148,27 +143,6 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
 
 def _mlp_tile(m: ModelShape, s: TrainingSetup) -> int:
     return min(s.tokens, s.tiled_mlp_tokens or m.hidden)
-
-
-def attention_kernel(m: ModelShape, s: TrainingSetup) -> int:
-    """Transients of the block attention backward, ``T`` tokens.
-
-    ``dq`` ``a*T*nh*d``; ``dk, dv`` ``2*a*T*nkv*d``, computed at ``nh`` heads first when
-    ``nkv < nh`` (flash-attention 2 expands them, ``+2*a*T*nh*d``); an fp32 dq workspace
-    ``4*T*nh*d``; the output grad ``a*T*nh*d``; with ``attn_backend="torch"`` on CUDA (no
-    native GQA) K/V are expanded to ``nh`` heads as well, ``+2*a*T*nh*d``.
-
-    Attention tiles (``attention_tile_tokens = N``): the expanded dK/dV, the fp32 dq workspace and
-    the torch backend's expanded K/V exist for one tile of ``min(N, T)`` tokens at a time; dq, dk,
-    dv of the local block and the output grad stay ``T``-sized.
-    """
-    a, t = s.act_bytes, s.tokens
-    q, kv = m.heads * m.head_dim, kv_heads_sent(m, s) * m.head_dim  # (U > 1: per head shard, same total)
-    gqa = kv < q
-    local = a * q + 2 * a * kv + a * q  # dq, dk, dv, the output grad
-    transient = (2 * a * q if gqa else 0) + 4 * q + (2 * a * q if gqa and s.attn_backend == "torch" else 0)
-    tile = min(t, s.attention_tile_tokens) if s.attention_tile_tokens else t
-    return t * local + tile * transient
 
 
 # The RMSNorm backward (transformers' Llama-style norm, ``w * (x32 * rsqrt(mean(x32**2) + eps))``)
@@ -301,6 +275,10 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
       ``(4 + a')*c*V + a*T*h`` (grad_hidden) ``+ (4 + a')*V*h`` (fp32 lm_head grad accumulator
       and the low-precision product added to it, when the lm_head trains; ``a' = 0`` in fp32,
       else ``a``).
+
+    ``attention_checkpoint="save"``: the last layer's attention output and lse
+    ``T*(a*nh*d + 4*nh)`` (``attention_saves``), kept until that layer's backward, are alive here
+    too (:func:`checkpointed` counts the other ``L - 1`` layers').
     """
     a = s.act_bytes
     t, v, h = s.tokens, m.vocab, m.hidden
@@ -312,8 +290,9 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
         final_norm = t * (a * h + (a * h if keep_out else 0))
     elif s.fused_rmsnorm:  # its input and rstd
         final_norm = t * (a * h + 4 + (a * h if keep_out else 0))
+    saves = t * (a * m.heads * m.head_dim + 4 * m.heads) if s.attention_checkpoint == "save" else 0
     if not s.chunked_loss:
-        return {"final_norm": final_norm, "logits": 12 * t * v}
+        return {"final_norm": final_norm, "logits": 12 * t * v, "attention_saves": saves}
     c = min(s.loss_chunk_size, t)
     head_grad = 4 * v * h if trains else 0
     # + the low-precision ``V x h`` product of a chunk's weight gradient (``g_low.t() @ h``, added
@@ -327,6 +306,7 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     return {
         "final_norm": final_norm,
         "logits": max(8 * c * v, backward, a * t * h + (4 + low) * v * h * trains),
+        "attention_saves": saves,
     }
 
 
@@ -344,9 +324,12 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
     - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers);
     - ``attention_checkpoint="save"``: each layer's attention output and lse, ``T*(a*nh*d + 4*nh)``,
       kept from the forward for the backward (no attention forward in the recompute): ``L - 1``
-      layers' worth besides the layer in its backward (whose tensors the working set counts);
-      ``"offload"``: those ``L - 1`` in host memory and one layer's worth on the GPU (the copy
-      staged in or out).
+      layers' worth besides the layer in its backward (whose tensors the working set counts; the
+      loss phase holds all ``L``: :func:`loss_working_set`); ``"offload"``: those ``L - 1`` in
+      host memory and nothing more on the GPU: the forward copies out the output the layer returns
+      anyway, and the copy brought back for the backward stands in for the recomputed output
+      (measured on an H200: the same peak as ``recompute``, benchmarks/RESULTS.md "Attention
+      output saved under checkpointing").
 
     (The final norm's tensors are counted with the loss: they are freed before any layer's
     backward.)
@@ -366,7 +349,7 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
     if s.attention_checkpoint == "save":
         saves = (m.layers - 1) * attn
     elif s.attention_checkpoint == "offload":
-        saves, cpu_attention = attn, (m.layers - 1) * attn
+        cpu_attention = (m.layers - 1) * attn
     return {
         "layers": layers,
         "rope": 2 * a * t * m.head_dim,

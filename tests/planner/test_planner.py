@@ -605,20 +605,26 @@ def test_fused_norm_attention_tiles_and_saves_by_hand():
     # its backward: dx a*T*h and FUSED_NORM_TEMPS fp32 chunks (T < chunk: T rows)
     assert d["layer_ws.norm_transients"] == 2 * 32 * 8 + 2 * 32 * 8 + FUSED_NORM_TEMPS * 4 * 32 * 8
     assert d["layer_ws.norm_transients"] < plain.details["layer_ws.norm_transients"]
-    # attention tiles: only the expanded dK/dV (2*a*q) and the fp32 dq workspace (4*q) shrink
+    # attention tiles: the kernel's workspace (expanded dK/dV 2*a*q, fp32 dq 4*q) per tile of 8;
+    # dk/dv of the block in fp32 (2*4*kv), the tile's fp32 dq and two sets of a tile call's results
     tiled = plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=8, **base).details
-    q = 2 * 4
-    assert d["layer_ws.attention_kernel"] - tiled["layer_ws.attention_kernel"] == (32 - 8) * (
-        2 * 2 * q + 4 * q
-    )
+    q, kv = 2 * 4, 1 * 4
+    assert d["layer_ws.attention_kernel"] == 32 * (2 * 2 * q + 2 * 2 * kv) + 32 * (2 * 2 * q + 4 * q)
+    results = 32 * (2 * 2 * q + 2 * 4 * kv)
+    tile = 8 * (2 * 2 * q + 4 * q) + 8 * (4 * q + 2 * 2 * (q + 2 * kv))
+    assert tiled["layer_ws.attention_kernel"] == results + max(tile, 2 * 2 * 32 * kv)
     big = plan_memory(TINY, 64, 2, 1.0, attention_tile_tokens=4096, **base).details
     assert big["layer_ws.attention_kernel"] == d["layer_ws.attention_kernel"]
     # attention saves: output a*q + lse 4*nh per token and layer; L - 1 layers besides the working set
     per_layer = 32 * (2 * q + 4 * 2)
     save = plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="save", **base)
     assert save.checkpointed_activations - fused.checkpointed_activations == (2 - 1) * per_layer
+    # the loss phase holds the last layer's too
+    assert save.loss_working_set - fused.loss_working_set == per_layer
+    # offload: nothing more on the GPU (measured on an H200), L - 1 layers in host memory
     off = plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="offload", **base)
-    assert off.checkpointed_activations - fused.checkpointed_activations == per_layer
+    assert off.checkpointed_activations == fused.checkpointed_activations
+    assert off.loss_working_set == fused.loss_working_set
     assert off.cpu_offloaded == off.details["host.attention"] == (2 - 1) * per_layer
     with pytest.raises(ValueError, match="attention_checkpoint"):
         plan_memory(TINY, 64, 2, 1.0, attention_checkpoint="keep")
