@@ -1,0 +1,142 @@
+"""Runs of TRL's ``DPOTrainer`` / ``GRPOTrainer``, with and without ringft's ring, for
+tests/train/test_hf_dpo.py and test_hf_grpo.py (module level: run_distributed imports it).
+
+The model is tests/train/hf_runs.py's tiny LLaMA (2 layers, hidden 32, fp32, seeded) over the demo
+tokenizer; the preference pairs are random token strings (prompts 8..40 tokens, completions
+2..12). :func:`worker` runs, per rank, one-process references with no process group, then every
+rank runs the distributed runs in a fresh gloo group (as hf_runs.phased_worker does).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.train.hf_runs import _DIST_ENV, SEED, TIMEOUT, _reset_accelerate, _weights, tiny_model, tokenizer
+
+METRICS = (
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "entropy",
+    "mean_token_accuracy",
+    "num_tokens",
+)
+
+
+def pairs(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` preference pairs of random demo-tokenizer words (no special tokens)."""
+    tok = tokenizer()
+    gen = torch.Generator().manual_seed(seed)
+
+    def text(low: int, high: int) -> str:
+        length = int(torch.randint(low, high + 1, (1,), generator=gen))
+        return tok.decode(torch.randint(3, 300, (length,), generator=gen).tolist())
+
+    return [{"prompt": text(8, 40), "chosen": " " + text(2, 12), "rejected": " " + text(2, 12)} for _ in range(n)]
+
+
+def dpo_run(s: dict[str, Any]) -> dict[str, Any]:
+    """One DPO training run as ``s`` says: ``cp`` (0: plain DPOTrainer), ``mb`` (per device batch),
+    ``loss`` (DPOConfig.loss_type list), ``ref`` (an explicit reference model) or ``precompute``
+    (precompute_ref_log_probs), ``steps``, ``ga``, ``evaluate``; returns the logged metrics per step,
+    the weights before / after (rank 0) and the eval metrics."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    from ringft.train.hf.dpo import RingDPOTrainer
+
+    tok = tokenizer()
+    model = tiny_model(tok, lora=False)
+    ref = tiny_model(tok, lora=False) if s.get("ref") else None
+    args = DPOConfig(
+        output_dir=s["out"],
+        per_device_train_batch_size=s["mb"],
+        per_device_eval_batch_size=s["mb"],
+        gradient_accumulation_steps=s.get("ga", 1),
+        max_steps=s.get("steps", 3),
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=SEED,
+        beta=0.5,
+        loss_type=s["loss"],
+        precompute_ref_log_probs=s.get("precompute", False),
+        gradient_checkpointing=False,
+        include_num_input_tokens_seen="non_padding",
+        max_length=64,
+        dataset_num_proc=None,
+        bf16=False,
+    )
+    train = datasets.Dataset.from_list(pairs(16, 3))
+    evals = datasets.Dataset.from_list(pairs(6, 4)) if s.get("evaluate") else None
+    data = dict(args=args, train_dataset=train, eval_dataset=evals, processing_class=tok, ref_model=ref)
+    if s["cp"]:
+        trainer = RingDPOTrainer(model=model, **data, cp_size=s["cp"], ring_backend="torch")
+    else:
+        trainer = DPOTrainer(model=model, **data)
+    initial = _weights(trainer.model)
+    trainer.train()
+    out: dict[str, Any] = {
+        "logs": [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h],
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+    }
+    if s.get("evaluate"):
+        out["eval"] = trainer.evaluate()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.update(initial=initial, final=_weights(trainer.model))
+    return out
+
+
+RUNS = {"dpo": dpo_run}
+
+
+def _guarded(s: dict[str, Any]) -> dict[str, Any]:
+    start = time.perf_counter()
+    try:
+        out = RUNS[s["kind"]](s)
+    except (ValueError, NotImplementedError, RuntimeError) as exc:
+        out = {"error": str(exc).splitlines()[0]}
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def worker(rank: int, world: int, alone: list[list[dict]], together: list[dict], store: str) -> dict:
+    """Rank ``r`` runs ``alone[r]`` with no process group, then every rank runs ``together`` in a
+    fresh ``world``-rank gloo group."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    saved = {k: os.environ[k] for k in _DIST_ENV if k in os.environ}
+    results: dict[str, list[dict]] = {"alone": [], "together": []}
+    dist.destroy_process_group()
+    for key in saved:
+        del os.environ[key]
+    os.environ["WORLD_SIZE"] = "1"
+    for s in alone[rank] if rank < len(alone) else []:
+        _reset_accelerate()
+        results["alone"].append(_guarded(s))
+    os.environ.update(saved)
+    Path(store).mkdir(parents=True, exist_ok=True)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}/pg", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT)
+    )
+    for s in together:
+        _reset_accelerate()
+        results["together"].append(_guarded(s))
+    return results
