@@ -52,7 +52,7 @@ def pairs(n: int, seed: int) -> list[dict[str, str]]:
 def dpo_run(s: dict[str, Any]) -> dict[str, Any]:
     """One DPO training run as ``s`` says: ``cp`` (0: plain DPOTrainer), ``mb`` (per device batch),
     ``loss`` (DPOConfig.loss_type list), ``ref`` (an explicit reference model) or ``precompute``
-    (precompute_ref_log_probs), ``steps``, ``ga``, ``evaluate``; returns the logged metrics per step,
+    (precompute_ref_log_probs), ``steps``, ``ga``, ``evaluate``, ``metrics`` (a compute_metrics); returns the logged metrics per step,
     the weights before / after (rank 0) and the eval metrics."""
     import datasets
     from trl import DPOConfig, DPOTrainer
@@ -85,8 +85,17 @@ def dpo_run(s: dict[str, Any]) -> dict[str, Any]:
         bf16=False,
     )
     train = datasets.Dataset.from_list(pairs(16, 3))
-    evals = datasets.Dataset.from_list(pairs(6, 4)) if s.get("evaluate") else None
+    if s.get("precompute"):  # TRL caches the reference log-probs next to the dataset's files: one folder
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            train.save_to_disk(f"{s['out']}/pairs")
+        if dist.is_initialized():
+            dist.barrier()
+        train = datasets.load_from_disk(f"{s['out']}/pairs")
+    evals = datasets.Dataset.from_list(pairs(8, 4)) if s.get("evaluate") else None
     data = dict(args=args, train_dataset=train, eval_dataset=evals, processing_class=tok, ref_model=ref)
+    if s.get("metrics"):
+        data["compute_metrics"] = lambda pred: {}
     if s["cp"]:
         trainer = RingDPOTrainer(model=model, **data, cp_size=s["cp"], ring_backend="torch")
     else:
