@@ -5,7 +5,8 @@ The names below are the public API. The attention operator, sharding, the collat
 patch import eagerly (torch + transformers only); the inference engine, the loss helpers and the
 trainer load on first use (the training loop itself is ``ringft.train.train``: ``ringft.train``
 is its package; ``RingTrainerMixin`` puts the ring into ``transformers.Trainer`` / TRL's
-``SFTTrainer``), so ``import ringft`` does not pull in accelerate, peft or datasets.
+``SFTTrainer``, ``RingDPOTrainer`` TRL's ``DPOTrainer``: TRL is imported only then), so
+``import ringft`` does not pull in accelerate, peft or datasets.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _LAZY = {
     "chunked_lm_loss": "ringft.loss",
     "loss_normalization": "ringft.loss",
     "Recipe": "ringft.train",
+    "RingDPOTrainer": "ringft.train.hf.dpo",
     "RingTrainerMixin": "ringft.train.hf",
     "TrainError": "ringft.train",
     "load_recipe": "ringft.train",
@@ -37,6 +39,7 @@ __all__ = [
     "CausalLMLoss",
     "Recipe",
     "RingDataCollator",
+    "RingDPOTrainer",
     "RingInference",
     "RingTrainerMixin",
     "TrainError",

@@ -63,10 +63,14 @@ def assert_same_dpo(got: dict, ref: dict) -> None:
         for key, want in o.items():
             if key.startswith("rewards/") and key != "rewards/accuracies":
                 assert g[key] == pytest.approx(want, abs=BETA * LOSS_RTOL * scale), key
-            elif key.startswith("logits/"):  # means over the vocabulary: ~1e-3, cancelling sums of O(1) logits
+            elif key.startswith(
+                "logits/"
+            ):  # means over the vocabulary: ~1e-3, cancelling sums of O(1) logits
                 assert g[key] == pytest.approx(want, abs=LOSS_RTOL), key
             else:
-                assert g[key] == pytest.approx(want, rel=STEPS * LOSS_RTOL if key == "grad_norm" else LOSS_RTOL), key
+                assert g[key] == pytest.approx(
+                    want, rel=STEPS * LOSS_RTOL if key == "grad_norm" else LOSS_RTOL
+                ), key
     assert_updates_close(got["final"], ref["final"], ref["initial"], STEPS * LOSS_RTOL)
     assert got["tokens_seen"] == ref["tokens_seen"]
 

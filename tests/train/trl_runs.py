@@ -46,14 +46,16 @@ def pairs(n: int, seed: int) -> list[dict[str, str]]:
         length = int(torch.randint(low, high + 1, (1,), generator=gen))
         return tok.decode(torch.randint(3, 300, (length,), generator=gen).tolist())
 
-    return [{"prompt": text(8, 40), "chosen": " " + text(2, 12), "rejected": " " + text(2, 12)} for _ in range(n)]
+    return [
+        {"prompt": text(8, 40), "chosen": " " + text(2, 12), "rejected": " " + text(2, 12)} for _ in range(n)
+    ]
 
 
 def dpo_run(s: dict[str, Any]) -> dict[str, Any]:
     """One DPO training run as ``s`` says: ``cp`` (0: plain DPOTrainer), ``mb`` (per device batch),
     ``loss`` (DPOConfig.loss_type list), ``ref`` (an explicit reference model) or ``precompute``
-    (precompute_ref_log_probs), ``steps``, ``ga``, ``evaluate``, ``metrics`` (a compute_metrics); returns the logged metrics per step,
-    the weights before / after (rank 0) and the eval metrics."""
+    (precompute_ref_log_probs), ``steps``, ``ga``, ``evaluate``, ``metrics`` (a compute_metrics);
+    returns the logged metrics per step, the weights before / after (rank 0) and the eval metrics."""
     import datasets
     from trl import DPOConfig, DPOTrainer
 
@@ -143,7 +145,11 @@ def worker(rank: int, world: int, alone: list[list[dict]], together: list[dict],
     os.environ.update(saved)
     Path(store).mkdir(parents=True, exist_ok=True)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}/pg", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT)
+        "gloo",
+        init_method=f"file://{store}/pg",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT),
     )
     for s in together:
         _reset_accelerate()

@@ -37,7 +37,9 @@ def _dpo_problems(trainer: Any) -> list[str]:
     if getattr(trainer, "_is_vision_dataset", False):
         problems.append("vision datasets (images) cannot be sharded for the ring: use text pairs")
     if getattr(trainer, "aux_loss_enabled", False):
-        problems.append("the MoE router auxiliary loss is not computed on the ring: set router_aux_loss_coef=0")
+        problems.append(
+            "the MoE router auxiliary loss is not computed on the ring: set router_aux_loss_coef=0"
+        )
     peft_config = getattr(trainer.model, "active_peft_config", None)
     if getattr(peft_config, "is_prompt_learning", False):
         problems.append("prompt-learning PEFT prepends virtual tokens to every shard: use LoRA")

@@ -72,7 +72,9 @@ def gather_sequence(local: torch.Tensor, layout: HybridLayout) -> torch.Tensor:
     if layout.cp_size == 1:
         return local
     if local.is_floating_point() and local.requires_grad:
-        stacked = _GatherCP.apply(local, layout.cp_group, layout.cp_size, layout.cp_rank, float(layout.cp_size))
+        stacked = _GatherCP.apply(
+            local, layout.cp_group, layout.cp_size, layout.cp_rank, float(layout.cp_size)
+        )
     else:
         with torch.no_grad():
             stacked = _GatherCP.apply(local.detach(), layout.cp_group, layout.cp_size, layout.cp_rank, 1.0)
@@ -93,7 +95,7 @@ def _ring_call(previous: Any, layout: HybridLayout, pad_token_id: int, kwargs: d
     if extra or kwargs.get("labels") is None:
         raise ValueError(
             f"{WHERE}: the ring scores input_ids + labels (+ a right-padding attention_mask) only; got "
-            f"{extra or 'no labels'}: multimodal inputs, router logits and pre-shifted labels are not supported"
+            f"{extra or 'no labels'}: multimodal inputs, router logits, pre-shifted labels are not supported"
         )
     ids = kwargs["input_ids"]
     batch = {k: kwargs.get(k) for k in ("input_ids", "attention_mask", "labels", "position_ids")}
@@ -115,11 +117,15 @@ def _ring_call(previous: Any, layout: HybridLayout, pad_token_id: int, kwargs: d
     )
     length = ids.shape[1] - 1  # the one-process fields: position i scores token i + 1
     fields = {
-        name: None if getattr(out, name, None) is None else gather_sequence(getattr(out, name), layout)[:, :length]
+        name: None
+        if getattr(out, name, None) is None
+        else gather_sequence(getattr(out, name), layout)[:, :length]
         for name in FIELDS
     }
     mask = fields["label_mask"]
-    count = mask.sum().clamp(min=1) if kwargs.get("num_items_in_batch") is None else kwargs["num_items_in_batch"]
+    count = (
+        mask.sum().clamp(min=1) if kwargs.get("num_items_in_batch") is None else kwargs["num_items_in_batch"]
+    )
     return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count, **fields)
 
 

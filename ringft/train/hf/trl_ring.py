@@ -96,7 +96,11 @@ class RingScoringMixin(RingTrainerMixin):
         return shard_loader_over_dp(loader, self._ring.layout, collate, description)
 
     def _ring_gathers(self) -> Any:
-        return contextlib.nullcontext() if self._ring is None else dp_gathers(self.accelerator, self._ring.layout)
+        return (
+            contextlib.nullcontext()
+            if self._ring is None
+            else dp_gathers(self.accelerator, self._ring.layout)
+        )
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         with self._ring_gathers():
