@@ -18,7 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.train.hf_runs import _DIST_ENV, SEED, TIMEOUT, _reset_accelerate, _weights, tiny_model, tokenizer
+from tests.train.hf_runs import (
+    _DIST_ENV,
+    SEED,
+    TIMEOUT,
+    _reset_accelerate,
+    _weights,
+    tiny_model,
+    tiny_model_dir,
+    tokenizer,
+)
 
 METRICS = (
     "loss",
@@ -115,10 +124,143 @@ def dpo_run(s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-RUNS = {"dpo": dpo_run}
+GRPO_METRICS = (
+    "loss",
+    "grad_norm",
+    "reward",
+    "reward_std",
+    "rewards/even_tokens/mean",
+    "rewards/even_tokens/std",
+    "frac_reward_zero_std",
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_mean",
+    "clip_ratio/high_max",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "num_tokens",
+)
+
+
+def even_tokens(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+    """A rule-based reward: the fraction of even token ids in each completion."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def stub_completions(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """Fixed completions in place of generation (GRPOTrainer._generate_single_turn): 2..12 random
+    tokens seeded by the prompt and its repeat, every other one ending with EOS."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for ids in prompt_ids:
+        k = seen.setdefault(tuple(ids), 0)
+        seen[tuple(ids)] = k + 1
+        gen = torch.Generator().manual_seed(sum(ids) * 7 + len(ids) * 1000 + k)
+        toks = torch.randint(3, 300, (int(torch.randint(2, 13, (1,), generator=gen)),), generator=gen)
+        if k % 2 == 0:
+            toks[-1] = self.eos_token_ids[0]
+        out.append(toks.tolist())
+    return out, None
+
+
+def grpo_run(s: dict[str, Any]) -> dict[str, Any]:
+    """One GRPO training run as ``s`` says: ``cp`` (0: plain GRPOTrainer), ``mb`` (per device
+    batch), ``loss`` (loss_type), ``beta``, ``generate`` (real greedy generation instead of the
+    fixed completions), ``prompt`` (prompt lengths low, high), ``metrics`` (a refused option);
+    2 optimizer steps on one generation (num_iterations 2: the second step's ratio is not 1)."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ringft.train.hf.grpo import RingGRPOTrainer
+
+    tok = tokenizer()
+    model = Path(s["out"]) / "model"  # a saved model: with beta > 0 TRL loads the reference from it
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tiny_model_dir(model)
+    if dist.is_initialized():
+        dist.barrier()
+    args = GRPOConfig(
+        output_dir=s["out"],
+        per_device_train_batch_size=s["mb"],
+        num_generations=2,
+        num_iterations=2,
+        max_steps=2,
+        max_completion_length=12,
+        learning_rate=3e-2,
+        epsilon=0.02,
+        beta=s.get("beta", 0.0),
+        loss_type=s["loss"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=SEED,
+        gradient_checkpointing=False,
+        generation_kwargs={"do_sample": False} if s.get("generate") else None,
+        bf16=False,
+    )
+    gen = torch.Generator().manual_seed(5)
+    low, high = s.get("prompt", (8, 24))
+    prompts = [
+        {
+            "prompt": tok.decode(
+                torch.randint(
+                    3, 300, (int(torch.randint(low, high + 1, (1,), generator=gen)),), generator=gen
+                ).tolist()
+            )
+        }
+        for _ in range(8)
+    ]
+    model = str(model)
+    data = dict(
+        reward_funcs=even_tokens,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tok,
+    )
+    if s.get("refuse"):
+        data["rollout_func"] = lambda batch, trainer: {}
+    if not s.get("generate"):
+        GRPOTrainer._generate_single_turn = stub_completions
+    try:
+        if s["cp"]:
+            trainer = RingGRPOTrainer(model=model, **data, cp_size=s["cp"], ring_backend="torch")
+        else:
+            trainer = GRPOTrainer(model=model, **data)
+        initial = _weights(trainer.model)
+        trainer.train()
+    finally:
+        GRPOTrainer._generate_single_turn = GRPO_GENERATE
+    out: dict[str, Any] = {
+        "logs": [{k: h[k] for k in GRPO_METRICS if k in h} for h in trainer.state.log_history if "loss" in h],
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+    }
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.update(initial=initial, final=_weights(trainer.model))
+    return out
+
+
+def _grpo_generate():
+    from trl import GRPOTrainer
+
+    return GRPOTrainer._generate_single_turn
+
+
+GRPO_GENERATE: Any = None
+RUNS = {"dpo": dpo_run, "grpo": grpo_run}
 
 
 def _guarded(s: dict[str, Any]) -> dict[str, Any]:
+    global GRPO_GENERATE
+    if s["kind"] == "grpo" and GRPO_GENERATE is None:
+        GRPO_GENERATE = _grpo_generate()
     start = time.perf_counter()
     try:
         out = RUNS[s["kind"]](s)

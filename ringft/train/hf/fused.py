@@ -11,7 +11,10 @@ fields and the batch's masks.
 passes it, and returns the *whole* fields, as one process computes them:
 
 1. the batch is padded and sharded for this CP rank (:func:`ringft.data.hf_batch.shard_collated_batch`:
-   right padding only, labels shifted on the whole row, zigzag / Ulysses x ring shards);
+   labels shifted on the whole row, zigzag / Ulysses x ring shards). Left-padded rows (GRPO's
+   left-padded prompt + right-padded completion) are first rolled left so that their tokens start
+   at position 0 (:func:`left_align`), and their fields rolled back after: the pads are masked keys
+   in one process, so each token sees the same tokens at the same relative RoPE distances;
 2. TRL's own fused head runs on the shard (its ``shift_labels`` path: pre-shifted targets), the
    decoder on the ring: each position's fields are the one-process fields of that position;
 3. each field ``(batch, seq_local)`` is all-gathered over the CP group and put back in sequence
@@ -41,7 +44,7 @@ from ringft.model.unwrap import pretrained_model
 from ringft.ops.cp_sharding import cp_unshard
 from ringft.ops.hybrid_layout import HybridLayout
 
-__all__ = ["FIELDS", "gather_sequence", "install_ring_fused_head", "unwrap_engine"]
+__all__ = ["FIELDS", "gather_sequence", "install_ring_fused_head", "left_align", "unwrap_engine"]
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 _PASSED = ("input_ids", "attention_mask", "labels", "position_ids", "use_cache", "num_items_in_batch")
@@ -88,17 +91,46 @@ def unwrap_engine(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def left_align(batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """Roll each row of the ``(batch, seq)`` tensors left by its count of leading attention-mask
+    zeros (left padding becomes right padding). Returns the rolled batch and the per-row shifts
+    (None when no row is left-padded: the batch unchanged)."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return batch, None
+    lead = (mask.cumsum(1) == 0).sum(1)
+    if not bool(lead.any()):
+        return batch, None
+    length = mask.shape[1]
+    index = (torch.arange(length, device=mask.device) + lead[:, None]) % length
+    rolled = {
+        k: v.gather(1, index.to(v.device)) if isinstance(v, torch.Tensor) and v.dim() == 2 else v
+        for k, v in batch.items()
+    }
+    return rolled, lead
+
+
+def _roll_back(field: torch.Tensor, lead: torch.Tensor) -> torch.Tensor:
+    """Fields ``(batch, seq - 1)`` of left-aligned rows -> the original rows' (position ``i`` scores
+    token ``i + 1``: original field ``i`` is rolled field ``i - shift``; the wrapped-in positions
+    are padding, masked in both)."""
+    length = field.shape[1]
+    index = (torch.arange(length, device=field.device) - lead.to(field.device)[:, None]) % length
+    return field.gather(1, index)
+
+
 def _ring_call(previous: Any, layout: HybridLayout, pad_token_id: int, kwargs: dict[str, Any]) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
     extra = sorted(k for k, v in kwargs.items() if k not in _PASSED and v is not None and v is not False)
     if extra or kwargs.get("labels") is None:
         raise ValueError(
-            f"{WHERE}: the ring scores input_ids + labels (+ a right-padding attention_mask) only; got "
+            f"{WHERE}: the ring scores input_ids + labels (+ an attention_mask) only; got "
             f"{extra or 'no labels'}: multimodal inputs, router logits, pre-shifted labels are not supported"
         )
     ids = kwargs["input_ids"]
     batch = {k: kwargs.get(k) for k in ("input_ids", "attention_mask", "labels", "position_ids")}
+    batch, lead = left_align(batch)
     local = shard_collated_batch(
         {k: v for k, v in batch.items() if v is not None},
         layout.cp_rank,
@@ -122,6 +154,8 @@ def _ring_call(previous: Any, layout: HybridLayout, pad_token_id: int, kwargs: d
         else gather_sequence(getattr(out, name), layout)[:, :length]
         for name in FIELDS
     }
+    if lead is not None:
+        fields = {k: None if v is None else _roll_back(v, lead) for k, v in fields.items()}
     mask = fields["label_mask"]
     count = (
         mask.sum().clamp(min=1) if kwargs.get("num_items_in_batch") is None else kwargs["num_items_in_batch"]

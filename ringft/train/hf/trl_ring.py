@@ -19,34 +19,54 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ringft.ops.hybrid_layout import HybridLayout
-from ringft.train.hf.data import gather_over_dp, shard_loader_over_dp
+from ringft.train.hf.data import _apply, gather_over_dp, shard_loader_over_dp
 from ringft.train.hf.fused import install_ring_fused_head, unwrap_engine
 from ringft.train.hf.mixin import RingTrainerMixin
 
-__all__ = ["RingScoringMixin", "dp_gathers"]
+__all__ = ["RingScoringMixin", "dp_gathers", "reduce_over_dp"]
 
 
 def _gather_dp(data: Any, layout: HybridLayout) -> Any:
     return gather_over_dp(data, layout, gradient_state=None)
 
 
+def reduce_over_dp(data: Any, layout: HybridLayout, reduction: str = "sum", scale: float = 1.0) -> Any:
+    """``accelerator.reduce`` over the DP group only (tensors, nested in lists / tuples / dicts)."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        on = (
+            t.detach().clone()
+            if t.device.type == "cpu" or dist.get_backend(layout.dp_group) == "nccl"
+            else t.cpu()
+        )
+        if layout.dp_size > 1:
+            dist.all_reduce(on, group=layout.dp_group)
+        if reduction == "mean":
+            on = on / layout.dp_size
+        return (on * scale).to(t.device)
+
+    return _apply(one, data)
+
+
 @contextlib.contextmanager
 def dp_gathers(accelerator: Any, layout: HybridLayout) -> Iterator[None]:
-    """``accelerator.gather`` / ``gather_for_metrics`` over the DP group only, for the duration
-    (instance attributes shadowing the methods; removed after; re-entrant)."""
+    """``accelerator.gather`` / ``gather_for_metrics`` / ``reduce`` over the DP group only, for the
+    duration (instance attributes shadowing the methods; removed after; re-entrant)."""
     if "gather_for_metrics" in vars(accelerator):
         yield
         return
     accelerator.gather = functools.partial(_gather_dp, layout=layout)
+    accelerator.reduce = functools.partial(reduce_over_dp, layout=layout)
     accelerator.gather_for_metrics = lambda data, *a, **k: gather_over_dp(
         data, layout, accelerator.gradient_state
     )
     try:
         yield
     finally:
-        del accelerator.gather, accelerator.gather_for_metrics
+        del accelerator.gather, accelerator.gather_for_metrics, accelerator.reduce
 
 
 class RingScoringMixin(RingTrainerMixin):
