@@ -5,8 +5,8 @@ The names below are the public API. The attention operator, sharding, the collat
 patch import eagerly (torch + transformers only); the inference engine, the loss helpers and the
 trainer load on first use (the training loop itself is ``ringft.train.train``: ``ringft.train``
 is its package; ``RingTrainerMixin`` puts the ring into ``transformers.Trainer`` / TRL's
-``SFTTrainer``, ``RingDPOTrainer`` TRL's ``DPOTrainer``: TRL is imported only then), so
-``import ringft`` does not pull in accelerate, peft or datasets.
+``SFTTrainer``, ``RingDPOTrainer`` / ``RingGRPOTrainer`` TRL's ``DPOTrainer`` / ``GRPOTrainer``: TRL
+is imported only then), so ``import ringft`` does not pull in accelerate, peft or datasets.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ _LAZY = {
     "loss_normalization": "ringft.loss",
     "Recipe": "ringft.train",
     "RingDPOTrainer": "ringft.train.hf.dpo",
+    "RingGRPOTrainer": "ringft.train.hf.grpo",
     "RingTrainerMixin": "ringft.train.hf",
     "TrainError": "ringft.train",
     "load_recipe": "ringft.train",
@@ -40,6 +41,7 @@ __all__ = [
     "Recipe",
     "RingDataCollator",
     "RingDPOTrainer",
+    "RingGRPOTrainer",
     "RingInference",
     "RingTrainerMixin",
     "TrainError",
