@@ -1,13 +1,13 @@
 """``RingDPOTrainer`` (TRL's ``DPOTrainer`` on the ring) against one ``DPOTrainer`` process, on gloo
 CPU processes (tiny fp32 LLaMA, tests/train/trl_runs.py).
 
-One 4-process spawn: ranks 0 and 1 first run one-process references on their own (no process
-group), then all four run the ring trainers together:
+One 4-process spawn, shared with test_hf_grpo.py (tests/train/conftest.py): the ranks first run
+one-process references on their own (no process group), then all four run the ring trainers together:
 
 - dp 2 x cp 2, sigmoid loss with an explicit reference model, evaluated after training, against
   one process with twice the micro-batch (DDP over dp 2 averages the two replicas' mean losses over
   the first and second half of each of those batches: the same update and metrics);
-- dp 1 x cp 4 (every row sharded over 4 ranks: prompts of 8..40 tokens, 2..16 tokens each), IPO
+- dp 1 x cp 4 (every row sharded over 4 ranks: prompts of 8..24 tokens, completions 2..12), IPO
   + SFT losses with precomputed reference log-probs (no reference model: the policy before
   training, scored on the ring), micro-batch 1 x gradient accumulation 2, against one process;
 - a refusal: ``compute_metrics`` (it needs the logits).
@@ -26,37 +26,20 @@ from __future__ import annotations
 
 import pytest
 
-from ringft.ops.spawn import run_distributed
 from tests.train.hf_runs import LOSS_RTOL, STEPS, assert_updates_close
-from tests.train.trl_runs import worker
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 BETA = 0.5  # tests/train/trl_runs.py
 
 
 @pytest.fixture(scope="module")
-def dpo(tmp_path_factory) -> dict[str, dict]:
-    r = tmp_path_factory.mktemp("dpo")
-    sig = dict(kind="dpo", loss=["sigmoid"], ref=True, steps=3, evaluate=True)
-    ipo = dict(kind="dpo", loss=["ipo", "sft"], precompute=True, steps=3, mb=1, ga=2)
-    alone = [[dict(sig, cp=0, mb=4, out=f"{r}/one-sig")], [dict(ipo, cp=0, out=f"{r}/one-ipo")]]
-    together = [
-        dict(sig, cp=2, mb=2, out=f"{r}/sig"),
-        dict(ipo, cp=4, out=f"{r}/ipo"),
-        dict(sig, cp=2, mb=2, steps=1, evaluate=False, metrics=True, out=f"{r}/refused"),
-    ]
-    results = run_distributed(worker, 4, alone, together, str(r / "store"), timeout=600.0)
-    names = ("sig", "ipo", "refused")
-    out = {"one-sig": results[0]["alone"][0], "one-ipo": results[1]["alone"][0]}
-    for rank, res in enumerate(results):
-        for name, got in zip(names, res["together"]):
-            out[name if rank == 0 else f"{name}@{rank}"] = got
-    return out
+def dpo(trl_runs_4) -> dict[str, dict]:
+    return {k[len("dpo/") :]: v for k, v in trl_runs_4.items() if k.startswith("dpo/")}
 
 
 def assert_same_dpo(got: dict, ref: dict) -> None:
     assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
-    assert len(got["logs"]) == len(ref["logs"]) == 3
+    assert len(got["logs"]) == len(ref["logs"]) == 2
     for g, o in zip(got["logs"], ref["logs"]):
         assert sorted(g) == sorted(o)
         scale = max(abs(o["logps/chosen"]), abs(o["logps/rejected"]))

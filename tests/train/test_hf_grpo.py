@@ -1,16 +1,17 @@
 """``RingGRPOTrainer`` (TRL's ``GRPOTrainer`` on the ring) against one ``GRPOTrainer`` process, on
 gloo CPU processes (tiny fp32 LLaMA, tests/train/trl_runs.py's ``grpo_run``).
 
-One 4-process spawn: each rank first runs some one-process references on its own (no process
-group), then all four run the ring trainers together. Generation is replaced at TRL's generation
+One 4-process spawn, shared with test_hf_dpo.py (tests/train/conftest.py): each rank first runs
+some one-process references on its own (no process group), then all four run the ring trainers
+together. Generation is replaced at TRL's generation
 boundary (``_generate_single_turn``) by fixed completions, so both runs score the same rows, except
 in the generation run. Every run: 2 optimizer steps on one generation (``num_iterations`` 2: the
 second step's importance ratio is not 1, so the clipping is exercised), the reference model loaded
 by TRL when ``beta > 0``.
 
-- dp 1 x cp 4, prompts of 40..64 tokens (a row of up to 76 tokens sharded over 4 ranks: each
-  rank holds less than a prompt), for each loss type grpo, bnpo, dr_grpo, dapo, with the KL term
-  (beta 0.1) and without;
+- dp 1 x cp 4, prompts of 40..64 tokens (GRPO_LONG) (a row of up to 76 tokens sharded over 4 ranks: each
+  rank holds less than a prompt), for each loss type grpo, bnpo, dr_grpo, dapo with the KL term
+  (beta 0.1), and grpo, dapo without;
 - dp 2 x cp 2, grpo + KL, against one process with twice the micro-batch (the rewards gathered and
   the advantages sliced over the DP group: group normalisation over each prompt's completions);
 - dp 2 x cp 2 with real greedy generation (every rank generates, the CP group's first rank's
@@ -34,38 +35,18 @@ from __future__ import annotations
 
 import pytest
 
-from ringft.ops.spawn import run_distributed
 from tests.train.hf_runs import LOSS_RTOL, STEPS, assert_updates_close
-from tests.train.trl_runs import worker
+from tests.train.trl_runs import GRPO_LOSSES
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-LOSSES = [(loss, beta) for loss in ("grpo", "bnpo", "dr_grpo", "dapo") for beta in (0.0, 0.1)]
-LONG = (40, 64)  # prompt tokens; + <= 12 completion tokens, over 4 ranks: < 20 tokens each
+# every loss type with the KL term; without it for grpo and dapo (dapo's normaliser counts processes)
+LOSSES = GRPO_LOSSES
 EXACT = ("reward", "reward_std", "frac_reward_zero_std", "num_tokens")
 
 
 @pytest.fixture(scope="module")
-def grpo(tmp_path_factory) -> dict[str, dict]:
-    r = tmp_path_factory.mktemp("grpo")
-    base = dict(kind="grpo", mb=4)
-    runs = {f"{loss}-{beta}": dict(base, loss=loss, beta=beta, prompt=LONG) for loss, beta in LOSSES}
-    runs["dp2"] = dict(base, loss="grpo", beta=0.1)
-    runs["generate"] = dict(base, loss="grpo", beta=0.1, generate=True)
-    cp = {name: 2 if name in ("dp2", "generate") else 4 for name in runs}
-    alone: list[list[dict]] = [[], [], [], []]
-    for i, (name, s) in enumerate(runs.items()):
-        mb = 8 if cp[name] == 2 else 4  # one process = dp 2 replicas' rows
-        alone[i % 4].append(dict(s, cp=0, mb=mb, out=f"{r}/one-{name}"))
-    together = [dict(s, cp=cp[name], out=f"{r}/{name}") for name, s in runs.items()]
-    together.append(dict(runs["dp2"], cp=2, refuse=True, out=f"{r}/refused"))
-    results = run_distributed(worker, 4, alone, together, str(r / "store"), timeout=600.0)
-    out: dict[str, dict] = {}
-    for i, name in enumerate(runs):
-        out[f"one-{name}"] = results[i % 4]["alone"][i // 4]
-    for rank, res in enumerate(results):
-        for name, got in zip([*runs, "refused"], res["together"]):
-            out[name if rank == 0 else f"{name}@{rank}"] = got
-    return out
+def grpo(trl_runs_4) -> dict[str, dict]:
+    return {k[len("grpo/") :]: v for k, v in trl_runs_4.items() if k.startswith("grpo/")}
 
 
 def assert_same_grpo(got: dict, ref: dict, weights: bool = True) -> None:

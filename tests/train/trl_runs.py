@@ -2,7 +2,7 @@
 tests/train/test_hf_dpo.py and test_hf_grpo.py (module level: run_distributed imports it).
 
 The model is tests/train/hf_runs.py's tiny LLaMA (2 layers, hidden 32, fp32, seeded) over the demo
-tokenizer; the preference pairs are random token strings (prompts 8..40 tokens, completions
+tokenizer; the preference pairs are random token strings (prompts 8..24 tokens, completions
 2..12). :func:`worker` runs, per rank, one-process references with no process group, then every
 rank runs the distributed runs in a fresh gloo group (as hf_runs.phased_worker does).
 """
@@ -56,7 +56,7 @@ def pairs(n: int, seed: int) -> list[dict[str, str]]:
         return tok.decode(torch.randint(3, 300, (length,), generator=gen).tolist())
 
     return [
-        {"prompt": text(8, 40), "chosen": " " + text(2, 12), "rejected": " " + text(2, 12)} for _ in range(n)
+        {"prompt": text(8, 24), "chosen": " " + text(2, 12), "rejected": " " + text(2, 12)} for _ in range(n)
     ]
 
 
@@ -297,3 +297,64 @@ def worker(rank: int, world: int, alone: list[list[dict]], together: list[dict],
         _reset_accelerate()
         results["together"].append(_guarded(s))
     return results
+
+
+def dpo_plan(r: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    """tests/train/test_hf_dpo.py's runs: (one-process references, 4-rank ring runs) by name."""
+    sig = dict(kind="dpo", loss=["sigmoid"], ref=True, steps=2, evaluate=True)
+    ipo = dict(kind="dpo", loss=["ipo", "sft"], precompute=True, steps=2, mb=1, ga=2)
+    alone = {
+        "dpo/one-sig": dict(sig, cp=0, mb=4, out=f"{r}/one-sig"),
+        "dpo/one-ipo": dict(ipo, cp=0, out=f"{r}/one-ipo"),
+    }
+    together = {
+        "dpo/sig": dict(sig, cp=2, mb=2, out=f"{r}/sig"),
+        "dpo/ipo": dict(ipo, cp=4, out=f"{r}/ipo"),
+        "dpo/refused": dict(sig, cp=2, mb=2, steps=1, evaluate=False, metrics=True, out=f"{r}/refused"),
+    }
+    return alone, together
+
+
+GRPO_LOSSES = [("grpo", 0.0), ("dapo", 0.0)] + [(loss, 0.1) for loss in ("grpo", "bnpo", "dr_grpo", "dapo")]
+GRPO_LONG = (40, 64)  # prompt tokens; + <= 12 completion tokens, over 4 ranks: < 20 tokens each
+
+
+def grpo_plan(r: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    """tests/train/test_hf_grpo.py's runs: (one-process references, 4-rank ring runs) by name."""
+    base = dict(kind="grpo", mb=4)
+    runs = {
+        f"{loss}-{beta}": dict(base, loss=loss, beta=beta, prompt=GRPO_LONG) for loss, beta in GRPO_LOSSES
+    }
+    runs["dp2"] = dict(base, loss="grpo", beta=0.1)
+    runs["generate"] = dict(base, loss="grpo", beta=0.1, generate=True)
+    cp = {name: 2 if name in ("dp2", "generate") else 4 for name in runs}
+    alone = {  # one process = dp 2 replicas' rows
+        f"grpo/one-{name}": dict(s, cp=0, mb=8 if cp[name] == 2 else 4, out=f"{r}/one-{name}")
+        for name, s in runs.items()
+    }
+    together = {f"grpo/{name}": dict(s, cp=cp[name], out=f"{r}/{name}") for name, s in runs.items()}
+    together["grpo/refused"] = dict(runs["dp2"], cp=2, refuse=True, out=f"{r}/refused")
+    return alone, together
+
+
+def spawn_plans(
+    root: Path, *plans: tuple[dict[str, dict], dict[str, dict]], timeout: float
+) -> dict[str, dict]:
+    """Every plan's runs in one 4-rank spawn (the references spread over the ranks): ``name`` ->
+    rank 0's result (a reference's: its rank's), ``name@r`` -> rank r's ring result."""
+    from ringft.ops.spawn import run_distributed
+
+    alone_named = {k: v for plan in plans for k, v in plan[0].items()}
+    together_named = {k: v for plan in plans for k, v in plan[1].items()}
+    order = sorted(alone_named, key=lambda k: k.startswith("dpo"), reverse=True)  # the slow ones first
+    alone: list[list[dict]] = [[], [], [], []]
+    for i, k in enumerate(order):
+        alone[i % 4].append(alone_named[k])
+    results = run_distributed(
+        worker, 4, alone, list(together_named.values()), str(root / "store"), timeout=timeout
+    )
+    out = {k: results[i % 4]["alone"][i // 4] for i, k in enumerate(order)}
+    for rank, res in enumerate(results):
+        for k, got in zip(together_named, res["together"]):
+            out[k if rank == 0 else f"{k}@{rank}"] = got
+    return out
