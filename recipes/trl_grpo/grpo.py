@@ -111,7 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         layout = getattr(trainer, "ring_layout", None)
         world = trainer.accelerator.num_processes
-        info = {"world": world, "dp": layout.dp_size if layout else world, "cp": layout.cp_size if layout else 1}
+        info = {
+            "world": world,
+            "dp": layout.dp_size if layout else world,
+            "cp": layout.cp_size if layout else 1,
+        }
         (out / "run_info.json").write_text(json.dumps(info))
     trainer.save_model(str(Path(config.output_dir) / "final"))
 
