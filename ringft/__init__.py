@@ -6,7 +6,8 @@ The names below are the public API. The attention operator, sharding, the collat
 patch import eagerly (torch + transformers only); the inference engine, the loss helpers and the
 trainer load on first use (the training loop itself is ``ringft.train.train``: ``ringft.train``
 is its package; ``RingTrainerMixin`` puts the ring into ``transformers.Trainer`` / TRL's
-``SFTTrainer``), so ``import ringft`` does not pull in accelerate, peft or datasets.
+``SFTTrainer``, ``RingDPOTrainer`` / ``RingGRPOTrainer`` TRL's ``DPOTrainer`` / ``GRPOTrainer``: TRL
+is imported only then), so ``import ringft`` does not pull in accelerate, peft or datasets.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ _LAZY = {
     "chunked_lm_loss": "ringft.loss",
     "loss_normalization": "ringft.loss",
     "Recipe": "ringft.train",
+    "RingDPOTrainer": "ringft.train.hf.dpo",
+    "RingGRPOTrainer": "ringft.train.hf.grpo",
     "RingTrainerMixin": "ringft.train.hf",
     "TrainError": "ringft.train",
     "load_recipe": "ringft.train",
@@ -38,6 +41,8 @@ __all__ = [
     "CausalLMLoss",
     "Recipe",
     "RingDataCollator",
+    "RingDPOTrainer",
+    "RingGRPOTrainer",
     "RingInference",
     "RingTrainerMixin",
     "TrainError",

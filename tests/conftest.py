@@ -46,6 +46,8 @@ os.environ.setdefault(
             *(f"transformers.models.{m}.modeling_{m}" for m in _MODELS),
             "peft",
             "datasets",
+            "trl.trainer.dpo_trainer",  # the TRL trainers' ranks (tests/train/trl_runs.py)
+            "trl.trainer.grpo_trainer",
             "ringft.model",
             "ringft.train",
             "tests.tiny_models",

@@ -2,7 +2,8 @@
 run in another (importing torch, transformers and TRL costs a process tens of seconds on 2 cores;
 a trainer in a warm process, a few). The runs are described in tests/train/hf_runs.py; the tests
 that read them: test_hf_trainer.py, test_hf_fsdp.py, test_hf_launch.py (whose launched runs are
-compared with one-process references computed here)."""
+compared with one-process references computed here); TRL's DPO and GRPO trainers' runs
+(test_hf_dpo.py, test_hf_grpo.py) share a third."""
 
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ def short_data(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "rows"
     datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(path))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def trl_runs_4(tmp_path_factory) -> dict[str, dict]:
+    """test_hf_dpo.py's and test_hf_grpo.py's runs, in one 4-rank spawn (tests/train/trl_runs.py)."""
+    from tests.train.trl_runs import dpo_plan, grpo_plan, spawn_plans
+
+    root = tmp_path_factory.mktemp("trl")
+    return spawn_plans(
+        root, dpo_plan(str(root / "dpo")), grpo_plan(str(root / "grpo")), timeout=SPAWN_TIMEOUT
+    )
 
 
 def _collect(names: list[str], results: list[list[dict]]) -> dict[str, dict]:

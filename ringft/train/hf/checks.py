@@ -69,7 +69,10 @@ def check_trainer_options(trainer: Any) -> None:
             "compute_loss_func / label_smoothing_factor need the full logits, which the ring trainer never "
             "builds (chunked loss): drop them"
         )
-    if getattr(args, "loss_type", "nll") not in ("nll", None):
+    if not getattr(trainer, "_ring_keeps_trl_loss", False) and getattr(args, "loss_type", "nll") not in (
+        "nll",
+        None,
+    ):
         problems.append(
             f"SFTConfig.loss_type={args.loss_type!r}: the ring trainer computes the plain NLL ('nll')"
         )

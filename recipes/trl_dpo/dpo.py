@@ -1,0 +1,109 @@
+"""Preference fine-tuning with TRL's DPOTrainer on ringft's ring (``ringft.RingDPOTrainer``).
+
+TRL's own script shape (``TrlParser``: every ``DPOConfig`` / ``ModelConfig`` option on the command
+line) plus the ring's options: ``--cp_size`` (ranks per ring; 1: TRL's DPOTrainer unchanged, the
+one-process oracle the tests compare against), ``--ulysses_size`` (CP = Ulysses x ring),
+``--ring_backend``. One script for the 8-GPU node (recipes/trl_dpo/run.sh) and its CPU variant
+(recipes/trl_dpo/run_cpu.sh); launch it with ``accelerate launch`` (world = dp x cp).
+
+Data: ``--dataset_name`` is a hub dataset with ``prompt`` / ``chosen`` / ``rejected`` columns
+(conversational or plain text), a local .json / .jsonl file, or ``synthetic-pairs[:N]`` (made-up
+arithmetic questions, the right answer chosen and a wrong one rejected: no download). Writes
+``<output_dir>/log_history.json`` (the Trainer's logs), ``run_info.json`` (world, dp, cp) and the
+trained model (or adapter) to ``<output_dir>/final``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RingArguments:
+    """The ring's options (ringft.RingTrainerMixin keywords)."""
+
+    cp_size: int = field(default=1, metadata={"help": "ranks per ring (1: TRL's DPOTrainer unchanged)"})
+    ulysses_size: int = field(default=1, metadata={"help": "CP = Ulysses x ring (1: the ring alone)"})
+    ring_backend: str = field(default="auto", metadata={"help": "auto, flash_attn, torch or reference"})
+
+
+def synthetic_pairs(n: int, seed: int) -> list[dict]:
+    """``n`` conversational preference pairs (a sum, right vs wrong), reproducible from ``seed``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(2, 999), rng.randint(2, 999)
+        wrong = a + b + rng.choice([-10, -1, 1, 10, 100])
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+                "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}],
+                "rejected": [{"role": "assistant", "content": f"{a} plus {b} is {wrong}."}],
+            }
+        )
+    return rows
+
+
+def load_pairs(name: str, split: str, seed: int):
+    """The preference pairs as a ``datasets.Dataset``."""
+    import datasets
+
+    if name.startswith("synthetic-pairs"):
+        n = int(name.split(":")[1]) if ":" in name else 512
+        return datasets.Dataset.from_list(synthetic_pairs(n, seed))
+    if name.endswith((".json", ".jsonl")):
+        return datasets.load_dataset("json", data_files=name, split="train")
+    return datasets.load_dataset(name, split=split)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+
+    parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig, RingArguments))
+    script, config, model_args, ring_args = parser.parse_args_and_config(argv)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path, dtype=dtype, attn_implementation="sdpa"
+    )
+    data = dict(
+        model=model,
+        args=config,
+        train_dataset=load_pairs(script.dataset_name, script.dataset_train_split, config.seed),
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    if ring_args.cp_size > 1:
+        from ringft import RingDPOTrainer
+
+        trainer = RingDPOTrainer(
+            **data,
+            cp_size=ring_args.cp_size,
+            ulysses_size=ring_args.ulysses_size,
+            ring_backend=ring_args.ring_backend,
+        )
+    else:
+        trainer = DPOTrainer(**data)
+    trainer.train()
+    if trainer.is_world_process_zero():
+        out = Path(config.output_dir)
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        layout = getattr(trainer, "ring_layout", None)
+        world = trainer.accelerator.num_processes
+        info = {
+            "world": world,
+            "dp": layout.dp_size if layout else world,
+            "cp": layout.cp_size if layout else 1,
+        }
+        (out / "run_info.json").write_text(json.dumps(info))
+    trainer.save_model(str(Path(config.output_dir) / "final"))
+
+
+if __name__ == "__main__":
+    main()

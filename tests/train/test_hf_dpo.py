@@ -1,0 +1,91 @@
+"""``RingDPOTrainer`` (TRL's ``DPOTrainer`` on the ring) against one ``DPOTrainer`` process, on gloo
+CPU processes (tiny fp32 LLaMA, tests/train/trl_runs.py).
+
+One 4-process spawn, shared with test_hf_grpo.py (tests/train/conftest.py): the ranks first run
+one-process references on their own (no process group), then all four run the ring trainers together:
+
+- dp 2 x cp 2, sigmoid loss with an explicit reference model, evaluated after training, against
+  one process with twice the micro-batch (DDP over dp 2 averages the two replicas' mean losses over
+  the first and second half of each of those batches: the same update and metrics);
+- dp 1 x cp 4 (every row sharded over 4 ranks: prompts of 8..24 tokens, completions 2..12), IPO
+  + SFT losses with precomputed reference log-probs (no reference model: the policy before
+  training, scored on the ring), micro-batch 1 x gradient accumulation 2, against one process;
+- a refusal: ``compute_metrics`` (it needs the logits).
+
+Tolerances: the runs compute the same fp32 math, the attention in another order (ring vs sdpa) and
+the gradients summed over CP ranks. A sequence log-probability sums at most 64 token log-probs, each
+a log-softmax over VOCAB logits; the DPO losses, rewards and margins are smooth functions of those
+sums: LOSS_RTOL = (TOKENS_PER_STEP + VOCAB) * eps32 (tests/train/hf_runs.py) relative on every
+logged value, and on the rewards (differences of two such sums) that bound times the sums'
+magnitude. The bugs these tests exist for are far outside: a sequence summed over one shard instead
+of the CP group (half the log-probs), metrics gathered over every rank (num_tokens x cp), the
+gradient not scaled for the CP ranks (grad_norm x 1/cp), a batch read twice or skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.train.hf_runs import LOSS_RTOL, STEPS, assert_updates_close
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+BETA = 0.5  # tests/train/trl_runs.py
+
+
+@pytest.fixture(scope="module")
+def dpo(trl_runs_4) -> dict[str, dict]:
+    return {k[len("dpo/") :]: v for k, v in trl_runs_4.items() if k.startswith("dpo/")}
+
+
+def assert_same_dpo(got: dict, ref: dict) -> None:
+    assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
+    assert len(got["logs"]) == len(ref["logs"]) == 2
+    for g, o in zip(got["logs"], ref["logs"]):
+        assert sorted(g) == sorted(o)
+        scale = max(abs(o["logps/chosen"]), abs(o["logps/rejected"]))
+        for key, want in o.items():
+            if key.startswith("rewards/") and key != "rewards/accuracies":
+                assert g[key] == pytest.approx(want, abs=BETA * LOSS_RTOL * scale), key
+            elif key.startswith(
+                "logits/"
+            ):  # means over the vocabulary: ~1e-3, cancelling sums of O(1) logits
+                assert g[key] == pytest.approx(want, abs=LOSS_RTOL), key
+            else:
+                assert g[key] == pytest.approx(
+                    want, rel=STEPS * LOSS_RTOL if key == "grad_norm" else LOSS_RTOL
+                ), key
+    assert_updates_close(got["final"], ref["final"], ref["initial"], STEPS * LOSS_RTOL)
+    assert got["tokens_seen"] == ref["tokens_seen"]
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(660)
+def test_dp2_cp2_sigmoid_with_reference_model(dpo):
+    """dp 2 x cp 2 == one process (2x micro-batch): loss, grad norm, rewards, log-probs, logits,
+    entropy, token accuracy, num_tokens every step; the weight update; the eval metrics; every rank
+    logs the same."""
+    assert_same_dpo(dpo["sig"], dpo["one-sig"])
+    for rank in (1, 2, 3):
+        assert dpo[f"sig@{rank}"]["logs"] == dpo["sig"]["logs"]
+    got, ref = dpo["sig"]["eval"], dpo["one-sig"]["eval"]
+    for key in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected", "eval_rewards/accuracies"):
+        assert got[key] == pytest.approx(ref[key], rel=LOSS_RTOL), key
+    assert got["eval_rewards/margins"] == pytest.approx(
+        ref["eval_rewards/margins"], abs=BETA * LOSS_RTOL * abs(ref["eval_logps/chosen"])
+    )
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(660)
+def test_cp4_ipo_sft_precomputed_reference(dpo):
+    """cp 4 (each row sharded over 4 ranks), IPO + SFT losses, reference log-probs precomputed on
+    the ring, gradient accumulation 2 == one process."""
+    assert_same_dpo(dpo["ipo"], dpo["one-ipo"])
+
+
+@pytest.mark.timeout(660)
+def test_compute_metrics_refused(dpo):
+    """What needs the logits is refused at construction, in one line, on every rank."""
+    for rank in range(4):
+        err = dpo["refused" if rank == 0 else f"refused@{rank}"].get("error", "")
+        assert "compute_metrics" in err and "\n" not in err, err
