@@ -83,6 +83,18 @@ FAMILIES: dict[str, Family] = {
             norms=4,
         ),
         Family(
+            "gemma4_text",
+            "Gemma 4 (text)",
+            ("Gemma4ForCausalLM", "Gemma4TextModel"),
+            "layer_types",
+            _QKVO,
+            "per-layer head dims (head_dim local, global_head_dim global: each layer's own ring call); "
+            "layers reusing an earlier layer's K/V (num_kv_shared_layers: that layer's local shard, as the "
+            "ring needs it); attention_k_eq_v; scale 1; local (sliding) and global layers per layer_types",
+            qk_norm="head",
+            norms=4,
+        ),
+        Family(
             "phi3",
             "Phi-3",
             ("Phi3ForCausalLM", "Phi3Model"),
