@@ -107,7 +107,7 @@ def layer_windows(config: Any) -> list[int | None]:
     if not kinds and fam.model_type in ("qwen2", "qwen3"):  # a config.json dict: Qwen2Config's rule
         start = get("max_window_layers", layers) if get("use_sliding_window", False) else layers
         kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-    if not kinds and fam.model_type in ("gemma3_text", "gemma4_text"):  # their configs' rule: 5 local, 1 global
+    if not kinds and fam.model_type in ("gemma3_text", "gemma4_text"):  # their rule: 5 local, 1 global
         pattern = get("sliding_window_pattern", 6)
         kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         if fam.model_type == "gemma4_text":
@@ -268,7 +268,8 @@ def set_window(config: Any, window: int | None) -> None:
     if fam.model_type in ("gemma3_text", "gemma4_text"):
         if window is None:
             raise ValueError(
-                f"Gemma {fam.model_type[5]}'s local layers were trained with a sliding window (and their own RoPE base): "
+                f"Gemma {fam.model_type[5]}'s local layers were trained with a sliding window (and their own "
+                "RoPE base): "
                 "model.sliding_window must be keep or a window size, not null"
             )
         config.sliding_window = window
