@@ -164,7 +164,7 @@ FAMILIES: dict[str, Family] = {
             ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
             "none",
             ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-            "latent attention: q/k head dim (nope + rope) != v head dim, V zero-padded on the ring "
+            "latent attention: q/k head dim (nope + rope) != v head dim, K and V on the ring at own sizes "
             "(ringft.ops.latent); sparse MoE MLP (per token) after dense layers",
             moe=True,
         ),
@@ -186,7 +186,7 @@ FAMILIES: dict[str, Family] = {
             ("Mistral4ForCausalLM", "Mistral4Model"),
             "none",
             ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-            "latent attention as DeepSeek-V3's (V zero-padded on the ring); queries scaled by position "
+            "latent attention as DeepSeek-V3's; queries scaled by position "
             "(llama_4_scaling_beta, from the global position ids); sparse MoE MLP (per token)",
             moe=True,
         ),

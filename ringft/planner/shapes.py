@@ -78,7 +78,7 @@ class ModelShape:
         if get("model_type") == "gemma4_text":
             raise ValueError(
                 "the planner does not model Gemma 4 (per-layer head dims, shared K/V layers, per-layer "
-                "inputs) yet: size it from a run with ringft train's metrics"
+                "inputs) yet"
             )
         if get("kv_lora_rank") is not None:
             raise ValueError("the planner does not model latent attention (DeepSeek-V3's kv_lora_rank) yet")
