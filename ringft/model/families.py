@@ -15,7 +15,13 @@ is what arrives there (read from each modeling file of transformers 5.24):
   its 5-local-1-global pattern), others get ``None``. transformers' mask lets a query see the keys
   ``q - window < k <= q``;
 - Gemma 3's local layers rotate with their own RoPE base (``rope_parameters["sliding_attention"]``),
-  computed from the global position ids, so they are exact under zigzag sharding too.
+  computed from the global position ids, so they are exact under zigzag sharding too;
+- Gemma 4: each layer's own head dim (``head_dim`` local, ``global_head_dim`` global) reaches its
+  own ring call; a layer of the last ``num_kv_shared_layers`` takes the K/V that the last earlier
+  layer of its type stored (``shared_kv_states``): on the ring that is the rank's local shard, RoPE'd
+  at the global positions, which is what the ring needs, and autograd sums both layers' dK/dV into
+  it; ``attention_k_eq_v`` (V from the K projection) and ``hidden_size_per_layer_input`` are per
+  token.
 
 Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next text models: ``linear=True``): their
 ``linear_attention`` layers bypass the attention interface and run on the ring through
@@ -101,9 +107,11 @@ def layer_windows(config: Any) -> list[int | None]:
     if not kinds and fam.model_type in ("qwen2", "qwen3"):  # a config.json dict: Qwen2Config's rule
         start = get("max_window_layers", layers) if get("use_sliding_window", False) else layers
         kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-    if not kinds and fam.model_type == "gemma3_text":  # Gemma3TextConfig's rule: 5 local, 1 global
+    if not kinds and fam.model_type in ("gemma3_text", "gemma4_text"):  # their rule: 5 local, 1 global
         pattern = get("sliding_window_pattern", 6)
         kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        if fam.model_type == "gemma4_text":
+            kinds[-1] = "full_attention"  # Gemma4TextConfig makes the last layer global
     if not kinds and fam.model_type == "olmo3":  # Olmo3Config's rule: 3 sliding, 1 full
         kinds = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
     if fam.model_type == "smollm3" and not get("use_sliding_window", False):
@@ -144,7 +152,10 @@ def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
             f"final-logit soft-capping (config.final_logit_softcapping={final}; ringft's chunked loss and "
             "RingInference project with the lm_head alone)"
         )
-    if getattr(config, "use_bidirectional_attention", False) or any(not m.is_causal for m in modules):
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    if getattr(config, "model_type", None) == "gemma4_text" and bidirectional == "vision":
+        bidirectional = False  # only Gemma 4's multimodal model reads it (its image tokens)
+    if bidirectional or any(not m.is_causal for m in modules):
         found.append("bidirectional (non-causal) attention layers (config.use_bidirectional_attention)")
     chunk = getattr(config, "attention_chunk_size", None)
     fam = family_of(config)
@@ -152,14 +163,6 @@ def unsupported_features(config: Any, modules: list[nn.Module]) -> list[str]:
         found.append(f"chunked attention (config.attention_chunk_size={chunk})")
     elif fam is not None and fam.chunked:
         found += [p for p in [chunk_problem(config)] if p]
-    shared = getattr(config, "num_kv_shared_layers", 0)
-    gemma4 = getattr(config, "model_type", None) == "gemma4_text"
-    if gemma4 or shared or getattr(config, "attention_k_eq_v", False):
-        found.append(
-            "Gemma 4's per-layer attention (head dims per layer type via per_layer_config, "
-            f"num_kv_shared_layers={shared} layers reusing an earlier layer's K/V, attention_k_eq_v), "
-            "not verified on the ring"
-        )
     layer_problem = _layer_type_problem(config)
     if layer_problem:
         found.append(layer_problem)
@@ -262,10 +265,11 @@ def set_window(config: Any, window: int | None) -> None:
             config.use_sliding_window = window is not None
         return
     kinds = list(getattr(config, "layer_types", None) or [])
-    if fam.model_type == "gemma3_text":
+    if fam.model_type in ("gemma3_text", "gemma4_text"):
         if window is None:
             raise ValueError(
-                "Gemma 3's local layers were trained with a sliding window (and their own RoPE base): "
+                f"Gemma {fam.model_type[5]}'s local layers were trained with a sliding window (and their own "
+                "RoPE base): "
                 "model.sliding_window must be keep or a window size, not null"
             )
         config.sliding_window = window

@@ -83,6 +83,18 @@ FAMILIES: dict[str, Family] = {
             norms=4,
         ),
         Family(
+            "gemma4_text",
+            "Gemma 4 (text)",
+            ("Gemma4ForCausalLM", "Gemma4TextModel"),
+            "layer_types",
+            _QKVO,
+            "per-layer head dims (head_dim local, global_head_dim global: each layer's own ring call); "
+            "layers reusing an earlier layer's K/V (num_kv_shared_layers: that layer's local shard, as the "
+            "ring needs it); attention_k_eq_v; scale 1; local (sliding) and global layers per layer_types",
+            qk_norm="head",
+            norms=4,
+        ),
+        Family(
             "phi3",
             "Phi-3",
             ("Phi3ForCausalLM", "Phi3Model"),
@@ -152,7 +164,7 @@ FAMILIES: dict[str, Family] = {
             ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
             "none",
             ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-            "latent attention: q/k head dim (nope + rope) != v head dim, V zero-padded on the ring "
+            "latent attention: q/k head dim (nope + rope) != v head dim, K and V on the ring at own sizes "
             "(ringft.ops.latent); sparse MoE MLP (per token) after dense layers",
             moe=True,
         ),
@@ -174,7 +186,7 @@ FAMILIES: dict[str, Family] = {
             ("Mistral4ForCausalLM", "Mistral4Model"),
             "none",
             ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-            "latent attention as DeepSeek-V3's (V zero-padded on the ring); queries scaled by position "
+            "latent attention as DeepSeek-V3's; queries scaled by position "
             "(llama_4_scaling_beta, from the global position ids); sparse MoE MLP (per token)",
             moe=True,
         ),

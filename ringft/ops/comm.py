@@ -20,6 +20,17 @@ def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def kv_buffer(k: Tensor, v: Tensor) -> Tensor:
+    """K and V in one flat contiguous buffer, each at its own size (v's head dim may differ from k's:
+    latent attention), to send as one message."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def kv_views(buf: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The views of a :func:`kv_buffer` (or a buffer laid out like one) shaped like ``k`` and ``v``."""
+    return buf[: k.numel()].view(k.shape), buf[k.numel() :].view(v.shape)
+
+
 class RingExchange:
     """Async send-to-next / receive-from-previous inside a process group.
 

@@ -129,11 +129,11 @@ def varlen_forward(
     if aligned:
         mask = tile_mask(bounds, aligned, tile, batch, q.dtype, q.device)
         o, l_ = kernel.forward_masked(*(_tiles(t, aligned, tile) for t in (q, k, v)), mask, softmax_scale)
-        tiles = o.reshape(batch, aligned, *q.shape[2:]), _untile_lse(l_, batch, aligned)
+        tiles = o.reshape(batch, aligned, q.shape[2], v.shape[-1]), _untile_lse(l_, batch, aligned)
     if tiles is not None and aligned == seq and tiles[0].dtype == acc:
         out, lse = tiles  # fresh tensors, no copy
     else:
-        out = torch.empty(q.shape, dtype=acc, device=q.device)
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
         lse = torch.empty((batch, q.shape[2], seq), dtype=acc, device=q.device)
         if tiles is not None:
             out[:, :aligned], lse[:, :, :aligned] = tiles

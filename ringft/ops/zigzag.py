@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from ringft.ops import values
 from ringft.ops.backends import BACKENDS, BlockAttention, default_softmax_scale, get_backend
-from ringft.ops.comm import RingExchange, group_rank_and_size
+from ringft.ops.comm import RingExchange, group_rank_and_size, kv_buffer, kv_views
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
-from ringft.ops.latent import pad_head_dims
+from ringft.ops.latent import LatentAttention, pad_head_dims
 from ringft.ops.saved_attention import AttentionStore
 from ringft.ops.sharding import local_length_problem
 from ringft.ops.sinks import sink_gradient, sink_problems, sink_rescale
@@ -52,7 +52,7 @@ def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str, cp_size:
             "q, k and v must be 4-D (batch, seq_local, heads, head_dim); got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         ]
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:  # (v's head dim may differ: latent attention)
         problems.append(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     bq, sq, hq, dq = q.shape
     bk, sk, hk, dk = k.shape
@@ -75,10 +75,18 @@ def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str, cp_size:
     if length:
         problems.append(length)
     if not problems:
-        reason = get_backend(backend, q.device, q.dtype, q.shape[-1]).check(q)
+        reason = _kernel(backend, q, v, None).check(q)
         if reason:
             problems.append(reason)
     return problems
+
+
+def _kernel(backend: str, q: Tensor, v: Tensor, tile: int | None):
+    """The block backend for q ``(..., dqk)`` and v ``(..., dv)``, tiled, padding each call to one
+    head dim where they differ (:class:`~ringft.ops.latent.LatentAttention`)."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    inner = tiled(get_backend(backend, q.device, q.dtype, max(dqk, dv)), tile)
+    return LatentAttention.wrap(inner, dqk, dv)
 
 
 def _window_problems(sliding_window, causal: bool, tile_tokens=None) -> list[str]:
@@ -181,12 +189,12 @@ class _ZigzagRingAttention(torch.autograd.Function):
 def _ring_forward(q, k, v, causal, softmax_scale, group, kernel, rank, size, documents):
     """``(out fp32, lse fp32)``: N steps of block attention while the next K/V is in flight."""
     ring = RingExchange(group) if size > 1 else None
-    current = torch.stack([k, v]) if size > 1 else None  # K and V travel in one buffer
+    current = kv_buffer(k, v) if size > 1 else None  # K and V travel in one buffer
     spare = torch.empty_like(current) if size > 1 else None
     out = lse = None
     for step in range(size):
         pending = ring.start(current, spare) if step + 1 < size else None  # next block in flight
-        kb, vb = (k, v) if step == 0 else (current[0], current[1])
+        kb, vb = (k, v) if step == 0 else kv_views(current, k, v)
         out, lse = forward_block(
             kernel,
             q,
@@ -215,22 +223,22 @@ def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     if size == 1:  # one rank, several documents: the local block only
-        grad = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+        gk, gv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
         for rows, part, dk_b, dv_b in backward_block(
             kernel, dout, q, k, v, out, lse, dq, step=0, source=0, rank=0, causal=causal,
             softmax_scale=softmax_scale, documents=documents,
         ):  # fmt: skip
-            grad[0][rows, part].add_(dk_b)
-            grad[1][rows, part].add_(dv_b)
-        return dq.to(q.dtype), grad[0].to(k.dtype), grad[1].to(v.dtype)
+            gk[rows, part].add_(dk_b)
+            gv[rows, part].add_(dv_b)
+        return dq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
     ring = RingExchange(ctx.group)
-    current = torch.stack([k, v])
+    current = kv_buffer(k, v)
     spare = torch.empty_like(current)
     # dK/dV accumulators ride the ring in fp32, one hop behind their K/V block. Not in q's dtype:
     # in bf16 each of the N - 1 additions on the way would round the partial sum (u = 2^-8), a
     # worst case of (N - 1) u times the sum of the blocks' magnitudes instead of u once at the end
     # (N = 8: 2.7 % instead of 0.4 %), beyond the ring's tested bound (2x one call's error + 4e-3).
-    grad = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+    grad = torch.zeros(current.shape, dtype=acc, device=k.device)  # flat: dK then dV, own sizes
     grad_spare = torch.empty_like(grad)
     grad_pending = None
     for step in range(size):
@@ -239,8 +247,7 @@ def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
             kernel,
             dout,
             q,
-            current[0],
-            current[1],
+            *kv_views(current, k, v),
             out,
             lse,
             dq,
@@ -253,14 +260,15 @@ def _ring_backward(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         )
         if step > 0:
             grad, grad_spare = grad_pending.wait(), grad  # accumulator of this block so far
+        gk, gv = kv_views(grad, k, v)
         for rows, part, dk_b, dv_b in pieces:
-            grad[0][rows, part].add_(dk_b)
-            grad[1][rows, part].add_(dv_b)
+            gk[rows, part].add_(dk_b)
+            gv[rows, part].add_(dv_b)
         grad_pending = ring.start(grad, grad_spare)
         if kv_pending is not None:
             current, spare = kv_pending.wait(), current
-    home = grad_pending.wait()  # after N hops the dK/dV of our own block are back
-    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+    home_k, home_v = kv_views(grad_pending.wait(), k, v)  # after N hops our own block's dK/dV are back
+    return dq.to(q.dtype), home_k.to(k.dtype), home_v.to(v.dtype)
 
 
 def zigzag_ring_attention(
@@ -285,7 +293,8 @@ def zigzag_ring_attention(
     Args:
         q: ``(batch, seq_local, heads_q, head_dim)``, this rank's chunks ``r`` and ``2N-1-r``.
         k, v: ``(batch, seq_local, heads_kv, head_dim)``, ``heads_q % heads_kv == 0`` (GQA/MQA); v's
-            head dim may differ from q/k's (latent attention: zero-padded, :mod:`ringft.ops.latent`).
+            head dim may differ from q/k's (latent attention, :mod:`ringft.ops.latent`: K and V
+            travel the ring at their own sizes; each block call pads locally).
         causal: causal (True) or bidirectional (False) attention over the global sequence.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         group: the context-parallel process group (default: the world group; N = 1 needs no
@@ -322,7 +331,9 @@ def zigzag_ring_attention(
     """
     rank, size = group_rank_and_size(group)
     q, k, v = follow_autocast(q, k, v)  # like scaled_dot_product_attention
-    if q.dim() == k.dim() == v.dim() == 4 and v.shape[-1] != k.shape[-1] and k.shape[:3] == v.shape[:3]:
+    windowed = sliding_window is not None and q.dim() == 4 and sliding_window < q.shape[1] * size
+    if windowed and v.dim() == k.dim() == 4 and v.shape[-1] != k.shape[-1] and k.shape[:3] == v.shape[:3]:
+        # the window ring's exchange sends chunk slots of one shape: pad the tensors (latent.py)
         scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
         q, k, v, dv = pad_head_dims(q, k, v)  # latent attention (ringft.ops.latent)
         res = zigzag_ring_attention(
@@ -354,7 +365,7 @@ def zigzag_ring_attention(
         documents = cu_seqlens
         if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
             documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
-        kernel = tiled(get_backend(backend, q.device, q.dtype, q.shape[-1]), attention_tile_tokens)
+        kernel = _kernel(backend, q, v, attention_tile_tokens)
         with no_autocast(q.device.type):
             out, lse = _ZigzagRingAttention.apply(
                 q, k, v, causal, scale, group, kernel, rank, size, documents, kept, sinks

@@ -75,6 +75,11 @@ class ModelShape:
                 text.setdefault("model_type", f"{get('model_type')}_text")
             return cls.from_config(text, name=name or get("_name_or_path"))
         family = FAMILIES.get(get("model_type"))
+        if get("model_type") == "gemma4_text":
+            raise ValueError(
+                "the planner does not model Gemma 4 (per-layer head dims, shared K/V layers, per-layer "
+                "inputs) yet"
+            )
         if get("kv_lora_rank") is not None:
             raise ValueError("the planner does not model latent attention (DeepSeek-V3's kv_lora_rank) yet")
         missing = [k for k in _REQUIRED if get(k) is None]

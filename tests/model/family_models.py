@@ -8,7 +8,8 @@ own RoPE bases and linear scaling on the global layers (Gemma 3, as its 4B/12B c
 ``qkv_proj`` (Phi-3), q/k norm over all heads (OLMo 2), a sparse MoE MLP (Qwen3-MoE; Mixtral with
 a window), attention sinks with sliding + full layers (gpt-oss), sliding + full layers (OLMo 3), a
 windowed NoPE layer (SmolLM3), queries scaled by their position (Ministral 3), chunked local
-attention with a NoPE layer's query temperature (Llama 4).
+attention with a NoPE layer's query temperature (Llama 4), per-layer head dims, layers reusing
+an earlier layer's K/V and V = K on the global layers (Gemma 4).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ MINISTRAL3_ROPE = {
     "original_max_position_embeddings": 8,
 }
 MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}  # 4 experts, 2 per token
+# Gemma 4's sizes at the tiny scale (its defaults: head dims 256 / 512, per-layer inputs of 256 over a
+# 262144-token vocabulary); the per-layer inputs (a per-token residual) are on.
+GEMMA4 = {
+    "gemma4_text": {
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+    }
+}
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": (
         "llama",
@@ -150,6 +161,18 @@ WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
     # layer 1 is a NoPE layer, and SmolLM3 windows only its NoPE layers
     "smollm3": ("smollm3", {"use_sliding_window": True, "no_rope_layer_interval": 2}),
     "ministral3": ("ministral3", {"rope_parameters": MINISTRAL3_ROPE}),
+    # Gemma 4: local head dim 16, global 32 with 1 KV head and V from the K projection
+    # (attention_k_eq_v); layers 2 and 3 reuse the K/V of layers 0 and 1 (num_kv_shared_layers)
+    "gemma4": (
+        "gemma4_text",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+        },
+    ),
     "mixtral": ("mixtral", {**MOE, "num_local_experts": 4}),
     "gpt_oss": (
         "gpt_oss",
@@ -169,7 +192,7 @@ def tiny_family(model_type: str, dtype: torch.dtype = torch.float64, seed: int =
     attention, in ``dtype``, eval mode (no dropout anywhere)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    config = AutoConfig.for_model(model_type, **{**COMMON, **GEMMA4.get(model_type, {}), **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     if model_type == "mistral4":  # (not registered with AutoModelForCausalLM in transformers 5.24)

@@ -6,7 +6,8 @@ runs inside it): logits, loss and every parameter's gradient. Windows shorter th
 straddling chunk edges and longer than a chunk; windows with packed documents; decoding with a
 window (RingInference vs ``model.generate``); Llama 4's chunked layers (chunks of 5 tokens, on no
 zigzag chunk edge) and its NoPE layer's query temperature, on padded rows and a packed row; Mistral 4
-(latent attention, queries scaled by position) on a packed row.
+(latent attention, queries scaled by position) on a packed row; Gemma 4 (per-layer head dims, layers
+reusing an earlier layer's K/V, V = K) with a window, on padded rows and a packed row.
 
 Oracles (unmodified transformers, one process, whole sequence; computed once, in the test process):
 
@@ -39,7 +40,7 @@ from tests.model.family_models import COMMON, VOCAB, WINDOWED, family_model, win
 EPS64, EPS32 = torch.finfo(torch.float64).eps, torch.finfo(torch.float32).eps
 LENGTHS = (37, 50, 29)  # ragged rows: padded to 50..56 tokens, chunks of 25 (CP 1) .. 7 (CP 4)
 SEQ = 56
-HID, INTER, LAYERS = COMMON["hidden_size"], COMMON["intermediate_size"], COMMON["num_hidden_layers"]
+HID, INTER, LAYERS = COMMON["hidden_size"], COMMON["intermediate_size"], 4  # the deepest: Gemma 4's
 # Per layer: q/k/v (hidden) + attention (<= SEQ keys, head_dim <= 32) + o_proj (<= 4 * 32) + MLP
 # (hidden, intermediate), then the lm_head (hidden): the longest chain of fp64 sums behind a logit.
 PATH = LAYERS * (HID + SEQ + 32 + 128 + HID + INTER) + HID
@@ -57,7 +58,8 @@ CP_SIZES = (1, 2, 3, 4)
 # covered at CP 2-4 by tests/ops/test_sinks.py) run at CP 3 only: an odd ring, uneven chunks.
 # Llama 4's unpacked rows run at CP 3 (its packed row, chunks cut inside documents, at every size).
 ODD_ONLY = (
-    "olmo3", "smollm3", "ministral3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "mistral4", "llama4"
+    "olmo3", "smollm3", "ministral3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "mistral4", "llama4",
+    "gemma4-packed-w7", "gemma4-decode-w8",
 )  # fmt: skip
 ROUTER_SIZES = (2, 3)  # the router load-balancing loss over the ring (tests/loss/router_cases.py)
 
@@ -101,14 +103,14 @@ def _cases() -> list[Case]:
         for i, name in enumerate(n for n in WINDOWED if n not in ("gemma3", "gpt_oss"))
     ]
     # gpt-oss (sinks, a sliding and a full layer) runs here only: its eager experts are slow
-    for i, name in enumerate(("gemma3", "mistral", "gpt_oss")):
+    for i, name in enumerate(("gemma3", "mistral", "gpt_oss", "gemma4")):
         cases.append(Case(f"{name}-packed-w7", "packed", ("windowed", name, 7), 70 + i))
     cases.append(Case("qwen3_moe-packed", "packed", ("family", "qwen3_moe"), 75))
     cases += [Case("llama4", "padded", ("family", "llama4"), 3)]
     cases.append(Case("llama4-packed", "packed", ("family", "llama4"), 4))
     cases.append(Case("mistral4-packed", "packed", ("family", "mistral4"), 6))
     cases.append(Case("phi3-lora", "padded", ("lora", "phi3"), 80))
-    for name in ("gemma3", "qwen2"):
+    for name in ("gemma3", "qwen2", "gemma4"):
         cases.append(Case(f"{name}-decode-w{DECODE_WINDOW}", "decode", ("windowed", name, DECODE_WINDOW), 90))
     return cases
 
@@ -137,6 +139,10 @@ def _fp32_parameters(model) -> set[str]:
     RMSNorm weights (``x.float() * (1 + weight.float())``), DeepSeek-V3's router weight
     (``linear(x.float(), weight.float())``)."""
     fp32 = ("Gemma3RMSNorm", "DeepseekV3TopkRouter")  # DeepSeek-V3's router: fp32 logits
+    if getattr(model.config, "model_type", None) == "gemma4_text":
+        # Gemma 4's RMSNorms (q/k/v norms, per-layer-input norm included) round in fp32 on the way
+        # back too, so every gradient behind them is fp32-accurate: the fp32 bound for all
+        return {n for n, _ in model.named_parameters()}
     return {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ in fp32}
 
 

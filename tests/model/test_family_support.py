@@ -69,9 +69,10 @@ def test_features_the_ring_cannot_compute_are_refused_by_name():
     assert "bidirectional (non-causal)" in msg
     msg = _refusal("gemma3_text", False, head_dim=16, final_logit_softcapping=30.0)
     assert "final-logit soft-capping (config.final_logit_softcapping=30.0" in msg
-    # Gemma 4: refused by name on every rank before any traffic (check_model reads the config only)
-    msg = _refusal("gemma4_text", head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0)
-    assert "Gemma 4's per-layer attention" in msg and "num_kv_shared_layers=0" in msg
+    # Gemma 4: bidirectional "all" is refused; "vision" only concerns the multimodal model's images
+    msg = _refusal("gemma4_text", False, use_bidirectional_attention="all")
+    assert "bidirectional (non-causal)" in msg
+    apply_ring_attention(tiny_family("gemma4_text", torch.float32, use_bidirectional_attention="vision"))
     model = family_model("qwen2", torch.float32)
     model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\]"):
@@ -148,7 +149,8 @@ def test_layer_windows_and_scaling_match_what_each_model_passes():
         assert windows == layer_windows(config), (config.model_type, windows)
         for _, scaling, head_dim in seen.values():
             want = getattr(config, "query_pre_attn_scalar", None) or head_dim
-            assert scaling == pytest.approx(want**-0.5), config.model_type
+            want = 1.0 if config.model_type == "gemma4_text" else want**-0.5  # Gemma 4: q/k normed, scale 1
+            assert scaling == pytest.approx(want), config.model_type
     assert layer_windows(gemma.config) == [5, 5, 5, 5, 5, None, 5]
 
 
