@@ -14,7 +14,7 @@ Oracles (unmodified transformers, one process, whole sequence; computed once, in
 - ``sdpa`` in fp64: transformers builds the causal / sliding-window / padding mask itself and
   torch's SDPA computes in fp64. Bounds: both sides compute the same math with the sums in another
   order; recursive summation of n terms errs by at most (n - 1) * eps relative, so each bound is
-  eps64 times the longest chain of reductions behind a value (PATH), relative to the largest value;
+  eps64 times the longest chain of reductions behind a value (`bounds`), relative to the largest value;
 - ``eager`` (the reference implementation): its softmax runs in fp32 (``softmax(dtype=float32)``),
   so it is only fp32-accurate. Bound: twice transformers' own sdpa-vs-eager spread on the same
   input, plus the fp64 bound. Any mask, window, position or label mistake is O(1e-2) or larger.
@@ -40,16 +40,23 @@ from tests.model.family_models import COMMON, VOCAB, WINDOWED, family_model, win
 EPS64, EPS32 = torch.finfo(torch.float64).eps, torch.finfo(torch.float32).eps
 LENGTHS = (37, 50, 29)  # ragged rows: padded to 50..56 tokens, chunks of 25 (CP 1) .. 7 (CP 4)
 SEQ = 56
-HID, INTER, LAYERS = COMMON["hidden_size"], COMMON["intermediate_size"], 4  # the deepest: Gemma 4's
-# Per layer: q/k/v (hidden) + attention (<= SEQ keys, head_dim <= 32) + o_proj (<= 4 * 32) + MLP
-# (hidden, intermediate), then the lm_head (hidden): the longest chain of fp64 sums behind a logit.
-PATH = LAYERS * (HID + SEQ + 32 + 128 + HID + INTER) + HID
-BOUNDS = {"logits": PATH * EPS64, "loss": (PATH + VOCAB + SEQ) * EPS64, "grad": 2 * PATH * EPS64}
-BOUNDS["decode"] = BOUNDS["logits"] + EPS32  # RingInference returns fp32 logits: one more rounding
-# Gemma's RMSNorm weights (and DeepSeek-V3's router) get their gradient as an fp32 sum over the
-# batch's tokens (transformers computes them in fp32), which the ring splits across ranks:
-# recursive fp32 summation of <= 3 * SEQ terms.
-BOUNDS["grad32"] = 3 * SEQ * EPS32
+HID, INTER = COMMON["hidden_size"], COMMON["intermediate_size"]
+DEEP = {"gemma4": 4}  # layers of the tiny models deeper than the usual 2
+
+
+def bounds(layers: int) -> dict[str, float]:
+    """The fp64 bounds of a model of ``layers`` layers. Per layer: q/k/v (hidden) + attention (<= SEQ
+    keys, head_dim <= 32) + o_proj (<= 4 * 32) + MLP (hidden, intermediate), then the lm_head
+    (hidden): the longest chain of fp64 sums behind a logit."""
+    path = layers * (HID + SEQ + 32 + 128 + HID + INTER) + HID
+    out = {"logits": path * EPS64, "loss": (path + VOCAB + SEQ) * EPS64, "grad": 2 * path * EPS64}
+    out["decode"] = out["logits"] + EPS32  # RingInference returns fp32 logits: one more rounding
+    # Gemma's RMSNorm weights (and DeepSeek-V3's router) get their gradient as an fp32 sum over the
+    # batch's tokens (transformers computes them in fp32), which the ring splits across ranks:
+    # recursive fp32 summation of <= 3 * SEQ terms.
+    out["grad32"] = 3 * SEQ * EPS32
+    return out
+
 WINDOWS = (1, 3, 13, 40)  # 1: itself only; 3 < every chunk; 13 straddles chunk edges; 40 > a chunk
 PACKED = ([19, 13, 9, 5], 48)  # documents across and on chunk edges, one packed row of 48
 DECODE_PROMPT, DECODE_NEW, DECODE_WINDOW = 30, 12, 8
@@ -322,7 +329,8 @@ def _check(errors: dict[str, float]) -> None:
             assert err == 0.0, f"{tag}: RingInference's tokens differ from model.generate"
         elif oracle != "spread":
             spread = errors.get(f"{tag}/spread/{what}", 0.0)  # the router runs have one oracle
-            bound = BOUNDS[what] + (2 * spread if oracle == "eager" else 0.0)
+            layers = next((n for family, n in DEEP.items() if tag.startswith(family)), 2)
+            bound = bounds(layers)[what] + (2 * spread if oracle == "eager" else 0.0)
             assert err <= bound, f"{key}: {err:.2e} > {bound:.1e}"
 
 
