@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import describe_machine  # noqa: E402
-from ringft.ops.spawn import run_distributed  # noqa: E402
 from ringft.ops.ulysses import kv_replication  # noqa: E402
 from ringft.planner.shapes import load_model_shape  # noqa: E402
 from ringft.planner.timing import H100_ATTENTION, attention_seconds, layer_traffic  # noqa: E402
+from ringft.utils.spawn import run_distributed  # noqa: E402
 
 WORLD = 8
 LLAMA = load_model_shape("llama-3-8b")

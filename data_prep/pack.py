@@ -29,13 +29,13 @@ except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from ringft.data import packing
 from ringft.data.tokenizer import load_tokenizer  # noqa: E402
-from ringft.ops.values import parse_tokens  # noqa: E402
+from ringft.utils.values import parse_tokens  # noqa: E402
 
 SUMMARY_FILE = "pack_summary.json"
 
 
 def _positive_int(text: str) -> int:
-    """A count > 0; token counts take k / M suffixes (``64k``: ringft.ops.values.parse_tokens)."""
+    """A count > 0; token counts take k / M suffixes (``64k``: ringft.utils.values.parse_tokens)."""
     try:
         value = parse_tokens(text)
     except ValueError:

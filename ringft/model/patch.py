@@ -48,7 +48,7 @@ from ringft.ops.comm import group_rank_and_size
 from ringft.ops.hybrid_layout import resolve_cp_groups
 from ringft.ops.saved_attention import active_store
 from ringft.ops.ulysses import heads_problem
-from ringft.ops.values import as_choice, as_integer
+from ringft.utils.values import as_choice, as_integer
 
 __all__ = [
     "ATTENTION_NAME",

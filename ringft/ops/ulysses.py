@@ -30,8 +30,9 @@ from ringft.ops.alltoall import heads_to_seq, seq_to_heads
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens
 from ringft.ops.dtypes import follow_autocast
 from ringft.ops.hybrid_layout import HybridGroups
+from ringft.ops.ring_checks import local_input_problems, offsets_checksum
 from ringft.ops.validate import DTYPE_CODES, exchange_facts, raise_if_facts_differ, raise_problems
-from ringft.ops.zigzag import local_input_problems, offsets_checksum, zigzag_ring_attention
+from ringft.ops.zigzag import zigzag_ring_attention
 
 Tensor = torch.Tensor
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather, zigzag_shard
 from ringft.model.inputs import VARLEN_KEYS, take_document_offsets
 from ringft.ops.sharding import zigzag_padded_length
-from ringft.ops.spawn import run_distributed
 from ringft.ops.validate import PeerFailed, run_together
+from ringft.utils.spawn import run_distributed
 from tests.tiny_models import VOCAB, fp32_bounds, tiny_model
 
 LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = fp32_bounds(48)  # packed rows of 48 tokens

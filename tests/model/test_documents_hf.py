@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
 from ringft.data.packer import pack_rows
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.tiny_models import document_examples, documents_reference, fp32_bounds, tiny_model
 
 SEQ = 48  # packed row length: a multiple of 2N for N = 1..4 (chunks of 24, 12, 8, 6)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.loss.router_cases import ROUTER_FAMILIES, router_run
 from tests.model.family_models import COMMON, VOCAB, WINDOWED, family_model, windowed_model
 

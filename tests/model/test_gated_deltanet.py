@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention, zigzag_gather
 from ringft.model.families import check_model
 from ringft.model.gated_deltanet import linear_attention_modules, linear_attention_problem
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.model.hybrid_models import fp64_linear_kernels, hybrid_model
 
 SEQ, EPS32 = 48, torch.finfo(torch.float32).eps

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention, zigzag_gather
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.model.attention_checkpoint_checks import attention_checkpoint_differences, check_differences
 from tests.tiny_models import VOCAB, compare_with_reference, ragged_examples, tiny_model
 

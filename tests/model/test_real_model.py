@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.real_model import REAL_TEXT, load_smollm2
 
 FP32_EPS = torch.finfo(torch.float32).eps

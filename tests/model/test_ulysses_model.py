@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention, cp_gather, ring_spec
 from ringft.ops.hybrid_layout import HybridGroups, build_hybrid_layout
 from ringft.ops.sharding import zigzag_shard
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.model.attention_checkpoint_checks import attention_checkpoint_differences, check_differences
 from tests.tiny_models import VOCAB, fp32_bounds, ragged_examples, tiny_model
 

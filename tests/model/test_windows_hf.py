@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.ops.window_checks import ULYSSES_REL, check_window_results, ulysses_window_worker, window_worker
 from tests.tiny_models import (
     VOCAB,

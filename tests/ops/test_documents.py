@@ -14,7 +14,7 @@ import torch
 from ringft.ops import zigzag_ring_attention
 from ringft.ops.documents import cu_seqlens_from_position_ids, document_plan
 from ringft.ops.sharding import zigzag_shard
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.oracle import per_document_attention_fp64
 
 SEQ = 48  # a multiple of 2N for N = 1..4; chunks of 24, 12, 8, 6 tokens

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ringft.ops import zigzag_ring_attention
 from ringft.ops.sharding import zigzag_shard, zigzag_unshard
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.oracle import sink_attention_fp64
 
 BOUND = 64 * torch.finfo(torch.float64).eps

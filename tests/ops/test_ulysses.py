@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from ringft.ops.cp_sharding import cp_shard, cp_unshard
-from ringft.ops.spawn import run_distributed
 from ringft.ops.ulysses import kv_replication, ulysses_ring_attention
+from ringft.utils.spawn import run_distributed
 from tests.oracle import full_attention_fp64, per_document_attention_fp64, windowed_attention_fp64
 
 SEQ, DIM, BATCH = 24, 16, 2  # SEQ: a multiple of 2 * cp for cp = 2, 3, 4, 6

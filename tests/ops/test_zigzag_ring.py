@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ringft import zigzag_position_ids, zigzag_ring_attention, zigzag_shard, zigzag_unshard
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.oracle import full_attention_fp64
 
 HEADS = [(4, 4), (4, 2), (8, 2), (4, 1)]  # GQA ratios 1, 2, 4 and MQA

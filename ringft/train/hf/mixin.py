@@ -37,7 +37,6 @@ from ringft.data.hf_batch import RING_LABELS, RING_LENGTH
 from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.hybrid_layout import HybridLayout, build_hybrid_layout
 from ringft.ops.ulysses import heads_problem
-from ringft.ops.values import as_integer
 from ringft.train.hf.checks import (
     WHERE,
     attention_checkpoint_problem,
@@ -49,6 +48,7 @@ from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, pr
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
 from ringft.train.hf.versions import check_versions
 from ringft.train.integrations import configure_fsdp_precision
+from ringft.utils.values import as_integer
 
 __all__ = ["RingTrainerMixin"]
 
