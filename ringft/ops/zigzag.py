@@ -177,7 +177,7 @@ def zigzag_ring_attention(
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         group: the context-parallel process group (default: the world group; N = 1 needs no
             torch.distributed at all).
-        backend: ``auto`` | ``torch`` | ``flash_attn`` | ``reference`` (see ``ringft.ops.backends``).
+        backend: one of ``ringft.ops.backends.BACKENDS`` (``auto`` picks; see that module).
         return_lse: also return the log-sum-exp ``(batch, heads_q, seq_local)`` in fp32.
         validate: check that every rank's inputs are usable and agree (one small all_gather and a
             host sync) before any ring traffic. ``False`` keeps only this rank's own checks, with

@@ -63,7 +63,7 @@ class ModelConfig(Section):
     # "keep" | None (no window on any layer) | int: the window of the layers the family windows
     # (Mistral, Phi-3: all; Qwen2/3, Gemma 3: the sliding layers of config.layer_types)
     sliding_window: str | int | None = "keep"
-    attn_backend: str = choice("auto", tuple(BACKENDS))  # auto | torch | flash_attn | reference
+    attn_backend: str = choice("auto", BACKENDS)  # "auto" or a backend's name (ringft.ops.backends)
     dtype: str = choice("bf16", ("bf16", "fp32"))  # weights' dtype
 
     def check(self) -> None:

@@ -48,7 +48,7 @@ from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, pr
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
 from ringft.train.hf.versions import check_versions
 from ringft.train.integrations import configure_fsdp_precision
-from ringft.utils.values import as_integer
+from ringft.utils.values import as_bool, as_integer, problems
 
 __all__ = ["RingTrainerMixin"]
 
@@ -76,8 +76,9 @@ def _training_args(args: tuple, kwargs: dict) -> Any:
 
 def _ulysses_problem(cp_size: int, ulysses_size: Any, args: tuple, kwargs: dict) -> str | None:
     """Why ``ulysses_size`` cannot split this trainer's CP group or its model's query heads."""
-    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
-        return f"ulysses_size must be an integer >= 1, got {ulysses_size!r}"
+    bad = problems(functools.partial(as_integer, "ulysses_size", ulysses_size, 1))
+    if bad:
+        return bad[0]
     if ulysses_size == 1:
         return None
     problem = ulysses_size_problem(cp_size, ulysses_size)
@@ -110,7 +111,7 @@ class RingTrainerMixin:
     - ``ulysses_size``: 2D context parallelism, ``cp_size = ulysses_size x ring_size`` (Ulysses
       all-to-alls over ``ulysses_size`` contiguous ranks, the zigzag ring across them); it must
       divide ``cp_size`` and the model's query heads. 1 (default): the zigzag ring alone.
-    - ``ring_backend``: the block kernel (``"auto"``, ``"flash_attn"``, ``"torch"``, ``"reference"``).
+    - ``ring_backend``: the block kernel, one of ``ringft.ops.backends.BACKENDS`` (``"auto"`` picks).
     - ``loss_chunk_size``: tokens per chunk of the ``lm_head`` + cross-entropy (no full logits).
     - ``tiled_mlp_tokens``: run the MLP over token tiles of this size (``ringft.model.tiled_mlp``).
     - ``offload_activations``: keep the decoder's saved activations in CPU memory.
@@ -143,12 +144,9 @@ class RingTrainerMixin:
         attention_checkpoint: str = "recompute",
         **kwargs: Any,
     ):
-        if not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"{WHERE}: cp_size must be an integer >= 1, got {cp_size!r}")
-        if not isinstance(fused_rmsnorm, bool):
-            raise ValueError(f"{WHERE}: fused_rmsnorm must be True or False, got {fused_rmsnorm!r}")
-        if loss_chunk_size < 1:
-            raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
+        as_integer(f"{WHERE}: cp_size", cp_size, 1)
+        as_bool(f"{WHERE}: fused_rmsnorm", fused_rmsnorm)
+        as_integer(f"{WHERE}: loss_chunk_size", loss_chunk_size, 1)
         as_integer(f"{WHERE}: attention_tile_tokens", attention_tile_tokens, 1, optional=True)
         problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
         problem = problem or attention_checkpoint_problem(attention_checkpoint, _training_args(args, kwargs))
