@@ -74,8 +74,8 @@ def _inputs(shape, seq: int) -> list[torch.Tensor]:
 
 def worker(rank: int, world: int, seq: int) -> list[dict]:
     """Per layout and shape: this rank's counts in the forward and in the backward."""
-    from ringft.ops.cp_sharding import cp_shard
     from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.sharding import cp_shard
     from ringft.ops.ulysses import ulysses_ring_attention
 
     counts: dict = {}

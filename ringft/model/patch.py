@@ -72,7 +72,7 @@ class RingSpec:
 
     2D context parallelism: ``ulysses_size > 1`` splits the CP group into Ulysses x ring
     (``groups``: :class:`~ringft.ops.hybrid_layout.HybridGroups`; None for the plain ring), and the
-    tokens follow :mod:`ringft.ops.cp_sharding`'s layout. ``attention_checkpoint``: ``recompute``,
+    tokens follow :mod:`ringft.ops.sharding`'s layout. ``attention_checkpoint``: ``recompute``,
     ``save`` or ``offload`` (:mod:`ringft.model.attention_checkpoint`)."""
 
     group: Any

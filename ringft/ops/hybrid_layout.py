@@ -4,7 +4,7 @@ Global rank ``g = dp_rank * cp_size + cp_rank`` (CP ranks contiguous, as in
 :mod:`ringft.ops.parallel`), and ``cp_rank = ring_rank * ulysses_size + ulysses_rank``: a Ulysses
 group is ``ulysses_size`` contiguous ranks (keep it inside a node: its all-to-alls are the heavy
 traffic), a ring group is the CP ranks of equal Ulysses rank (its point-to-point K/V blocks hide
-behind compute, so it may cross nodes). Token ownership is in :mod:`ringft.ops.cp_sharding`.
+behind compute, so it may cross nodes). Token ownership is in :mod:`ringft.ops.sharding`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.parallel import ParallelLayout, world_for_cp
+from ringft.ops.sharding import ulysses_size_problem
 
 __all__ = ["HybridGroups", "HybridLayout", "build_hybrid_layout", "resolve_cp_groups"]
 

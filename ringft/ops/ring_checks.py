@@ -162,5 +162,5 @@ def validate_inputs(
         [theirs for _, theirs in rows],
         "(batch, seq_local, heads, dim, kv_heads, dtype, cu_seqlens checksum, sliding_window)",
         "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim, dtype, "
-        "cu_seqlens and sliding_window. Shard every sequence with zigzag_shard / RingDataCollator",
+        "cu_seqlens and sliding_window. Shard every sequence with cp_shard / RingDataCollator",
     )

@@ -1,5 +1,5 @@
 """Ulysses x ring attention (2D context parallelism, "USP"): exact attention on the CP layout of
-:mod:`ringft.ops.cp_sharding` (``cp_size = ulysses_size x ring_size``).
+:mod:`ringft.ops.sharding` (``cp_size = ulysses_size x ring_size``).
 
 Each call:
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.dtypes import DTYPES, dtype_from_name
-from ringft.ops.sharding import zigzag_length_problem
+from ringft.ops.sharding import ulysses_size_problem, zigzag_length_problem
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, ModelShape
 from ringft.utils import values
 

@@ -20,8 +20,7 @@ import yaml
 from ringft.model.families import SUPPORTED_MODEL_TYPES
 from ringft.model.rope import rope_problem
 from ringft.ops.backends import BACKENDS
-from ringft.ops.cp_sharding import ulysses_size_problem
-from ringft.ops.sharding import zigzag_length_problem
+from ringft.ops.sharding import ulysses_size_problem, zigzag_length_problem
 from ringft.ops.ulysses import heads_problem
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list

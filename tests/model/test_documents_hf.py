@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
+from ringft import RingDataCollator, apply_ring_attention, cp_gather
 from ringft.data.packer import pack_rows
 from ringft.utils.spawn import run_distributed
 from tests.tiny_models import document_examples, documents_reference, fp32_bounds, tiny_model
@@ -72,7 +72,7 @@ def documents_worker(rank: int, world: int) -> dict[int, dict[str, float]]:
             out.loss.backward()
             loss = out.loss.detach().clone()
             dist.all_reduce(loss, group=group)
-            logits = zigzag_gather(out.logits.detach(), group=group)  # (rows, SEQ, vocab)
+            logits = cp_gather(out.logits.detach(), group=group)  # (rows, SEQ, vocab)
             worst, scale = 0.0, max(x.abs().max().item() for x in ref_logits)
             for row, members in enumerate(rows):
                 at = 0

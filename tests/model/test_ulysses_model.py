@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, cp_gather, ring_spec
 from ringft.ops.hybrid_layout import HybridGroups, build_hybrid_layout
-from ringft.ops.sharding import zigzag_shard
+from ringft.ops.sharding import cp_shard
 from ringft.utils.spawn import run_distributed
 from tests.model.attention_checkpoint_checks import attention_checkpoint_differences, check_differences
 from tests.tiny_models import VOCAB, fp32_bounds, ragged_examples, tiny_model
@@ -172,7 +172,7 @@ def worker(rank: int, world: int) -> dict:
         collator = RingDataCollator(cp_rank, cp, pad_token_id=0, ulysses_size=u)
         batch, full = collator(examples), collator.global_batch(examples)
         if u == 1:  # the plain ring: today's operator and today's zigzag shards, exactly
-            zigzag = {k: zigzag_shard(full[k], cp_rank, cp) for k in ("input_ids", "position_ids")}
+            zigzag = {k: cp_shard(full[k], cp_rank, cp) for k in ("input_ids", "position_ids")}
             out["seen"][f"{cp}x1/same shards"] = all(torch.equal(batch[k], v) for k, v in zigzag.items())
         for hq, hkv, hd in HEADS[u]:
             ref = _model(hq, hkv, hd)

@@ -24,7 +24,7 @@ import io
 import pytest
 import torch
 
-from ringft.ops.cp_sharding import cp_shard, cp_unshard
+from ringft.ops.sharding import cp_shard, cp_unshard
 from ringft.ops.ulysses import kv_replication, ulysses_ring_attention
 from ringft.utils.spawn import run_distributed
 from tests.oracle import full_attention_fp64, per_document_attention_fp64, windowed_attention_fp64
@@ -143,8 +143,8 @@ def _alltoall_cases(rank: int, world: int) -> list[str]:
     and fp64, fp32, bf16, fp16 (integer-valued data), with non-contiguous incoming gradients.
     Returns the failures (empty when all is well)."""
     from ringft.ops.alltoall import heads_to_seq, seq_to_heads
-    from ringft.ops.cp_sharding import cp_position_ids
     from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.sharding import cp_position_ids
 
     failures = []
     for u in (2, 3, 6):

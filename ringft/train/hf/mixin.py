@@ -21,7 +21,7 @@ off, so ``cp_size=1`` without memory options is the base class unchanged):
   every rank, token counters (:mod:`ringft.train.hf.steps`); ``_track_num_input_tokens`` reads them;
 - ``compute_loss``: ringft's chunked loss through the wrapped model, times the loss scale;
 - ``prediction_step`` / ``evaluation_loop``: eval loss over the CP group, logits gathered within CP
-  and put back in sequence order (:func:`ringft.ops.cp_sharding.cp_gather`), metrics gathered
+  and put back in sequence order (:func:`ringft.ops.sharding.cp_gather`), metrics gathered
   across DP only.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from ringft.data.hf_batch import RING_LABELS, RING_LENGTH
-from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.hybrid_layout import HybridLayout, build_hybrid_layout
+from ringft.ops.sharding import ulysses_size_problem
 from ringft.ops.ulysses import heads_problem
 from ringft.train.hf.checks import (
     WHERE,
