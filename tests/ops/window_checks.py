@@ -149,11 +149,11 @@ def ulysses_window_worker(rank: int, world: int, ulysses: int = 2) -> dict[str, 
     """Windows (shorter than, straddling and longer than a ring chunk; with and without packed
     documents) through ``ulysses_ring_attention`` on ``ulysses x (world / ulysses)``: this rank's
     largest error of out, lse, dq, dk, dv against the fp64 windowed oracle, per window."""
-    from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.parallel import build_layout
     from ringft.ops.sharding import cp_shard
     from ringft.ops.ulysses import ulysses_ring_attention
 
-    layout = build_hybrid_layout(world, ulysses)
+    layout = build_layout(world, ulysses)
 
     def shard(t, dim=1):
         return cp_shard(t, layout.cp_rank, world, ulysses, dim=dim).detach().clone()
@@ -164,7 +164,7 @@ def ulysses_window_worker(rank: int, world: int, ulysses: int = 2) -> dict[str, 
         ref = oracle(q, k, v, dout, w, cu)
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
         out, lse = ulysses_ring_attention(
-            ql, kl, vl, groups=layout.groups, backend="torch", return_lse=True, cu_seqlens=cu,
+            ql, kl, vl, groups=layout, backend="torch", return_lse=True, cu_seqlens=cu,
             sliding_window=w,
         )  # fmt: skip
         out.backward(shard(dout))

@@ -11,7 +11,7 @@ What it changes in the base trainer (each override delegates to the base class w
 off, so ``cp_size=1`` without memory options is the base class unchanged):
 
 - ``__init__``: checks versions and options, builds ringft's DP x CP layout, CP = Ulysses x ring
-  with ``ulysses_size`` (:func:`ringft.ops.build_hybrid_layout`, as ``ringft train`` does),
+  with ``ulysses_size`` (:func:`ringft.ops.build_layout`, as ``ringft train`` does),
   switches the model to the ring (:func:`ringft.apply_ring_attention`), installs the chunked-loss forward
   (:mod:`ringft.train.hf.forward`), the fused RMSNorm backward and, if asked, the tiled MLP;
 - ``_get_dataloader``: every dataloader reads per DP replica and shards per CP rank
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ringft.data.hf_batch import RING_LABELS, RING_LENGTH
-from ringft.ops.hybrid_layout import HybridLayout, build_hybrid_layout
+from ringft.ops.parallel import ParallelLayout, build_layout
 from ringft.ops.sharding import ulysses_size_problem
 from ringft.ops.ulysses import heads_problem
 from ringft.train.hf.checks import (
@@ -61,7 +61,7 @@ _TOKENS = (
 class _Ring:
     """The ring settings of one trainer."""
 
-    layout: HybridLayout
+    layout: ParallelLayout
     pad_token_id: int
     count_pad_token_id: int | None
 
@@ -164,7 +164,7 @@ class RingTrainerMixin:
         super().__init__(*args, **kwargs)
         if not active:
             return
-        layout = build_hybrid_layout(cp_size, ulysses_size, self.args.device.type)
+        layout = build_layout(cp_size, ulysses_size, self.args.device.type)
         check_trainer_options(self)
         from ringft.model.patch import apply_ring_attention
 
@@ -194,7 +194,7 @@ class RingTrainerMixin:
 
     # -- layout and data ---------------------------------------------------------------------
     @property
-    def ring_layout(self) -> HybridLayout | None:
+    def ring_layout(self) -> ParallelLayout | None:
         """This process's DP x CP (CP = Ulysses x ring) layout (None when the ring is off)."""
         return None if self._ring is None else self._ring.layout
 
