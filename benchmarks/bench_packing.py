@@ -55,7 +55,8 @@ def _decreasing(lengths: Sequence[int], capacity: int, pick: Callable[[list[tupl
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """First fit decreasing, the rule ``pack_rows`` is compared with: the first row with room (it scanned the rows, as here)."""
+    """First fit decreasing, the rule ``pack_rows`` is compared with: the first row with room (a
+    scan of the rows)."""
     return _decreasing(lengths, capacity, lambda fits: fits[0][1])
 
 
