@@ -1,5 +1,5 @@
-"""One rule, one place: the zigzag length rule, and failing
-together (its single-process behaviour; the distributed one is in tests/model/test_document_offsets.py)."""
+"""One rule, one place: the zigzag length rule, and failing together (its single-process
+behaviour; the distributed one is in tests/model/test_document_offsets.py)."""
 
 from __future__ import annotations
 
