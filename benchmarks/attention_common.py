@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.machine import describe_machine
 from ringft.ops import DTYPES as _ALL_DTYPES
-from ringft.ops.sharding import zigzag_shard
+from ringft.ops.sharding import cp_shard
 from ringft.ops.zigzag import zigzag_ring_attention
 
 Tensor = torch.Tensor
@@ -88,7 +88,7 @@ def make_inputs(
 
 def shards(t: Tensor, n: int) -> list[Tensor]:
     """The zigzag shards of ``t`` (sequence dim 1) for ranks ``0..n-1``."""
-    return [zigzag_shard(t, r, n).contiguous() for r in range(n)]
+    return [cp_shard(t, r, n).contiguous() for r in range(n)]
 
 
 def operator_fwd_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, backend: str) -> None:

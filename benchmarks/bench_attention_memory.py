@@ -33,7 +33,7 @@ from benchmarks.attention_common import (  # noqa: E402
     seq_label,
     table,
 )
-from ringft.ops.spawn import run_distributed  # noqa: E402
+from ringft.utils.spawn import run_distributed  # noqa: E402
 
 Tensor = torch.Tensor
 

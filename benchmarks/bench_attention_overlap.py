@@ -35,7 +35,7 @@ from benchmarks.attention_common import (  # noqa: E402
 from ringft.ops import default_softmax_scale  # noqa: E402
 from ringft.ops.backends import get_backend  # noqa: E402
 from ringft.ops.emulate import run_schedule  # noqa: E402
-from ringft.ops.spawn import run_distributed  # noqa: E402
+from ringft.utils.spawn import run_distributed  # noqa: E402
 
 
 def _overlap_one(

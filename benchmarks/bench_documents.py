@@ -39,7 +39,7 @@ from ringft.data.packer import balanced_order  # noqa: E402
 from ringft.ops import DTYPES, default_softmax_scale, get_backend  # noqa: E402
 from ringft.ops.documents import document_plan  # noqa: E402
 from ringft.ops.emulate import run_schedule  # noqa: E402
-from ringft.ops.sharding import zigzag_shard  # noqa: E402
+from ringft.ops.sharding import cp_shard  # noqa: E402
 
 
 def _int_list(text: str) -> list[int]:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     q, dout = (torch.randn(*shape, args.heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(*shape, args.kv_heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
     shards = [
-        [zigzag_shard(t, r, args.world).contiguous() for r in range(args.world)] for t in (q, k, v, dout)
+        [cp_shard(t, r, args.world).contiguous() for r in range(args.world)] for t in (q, k, v, dout)
     ]
     layouts = {(0, False): None}
     for docs in args.docs:

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     from benchmarks.machine import describe_machine
     from ringft.evals.ppl.memory import ppl_peak_memory
-    from ringft.ops.spawn import run_distributed
+    from ringft.utils.spawn import run_distributed
 
     seqs = [int(s) for s in args.seqs.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]

@@ -2,7 +2,7 @@
 
 For a small LLaMA (fp32, or bf16 with ``--dtype bf16``) one training step (forward + backward, no
 optimizer) is run per (option set, sequence length, CP size) in gloo processes
-(``ringft.ops.spawn.run_distributed``; one process for CP = 1, two for CP = 2, 1 thread each).
+(``ringft.utils.spawn.run_distributed``; one process for CP = 1, two for CP = 2, 1 thread each).
 Option sets are cumulative:
 
 - ``baseline``: full logits (transformers' loss), no checkpointing;
@@ -206,7 +206,7 @@ def max_local_seq(cp: int, opts: dict[str, bool], cap: int, dtype: str = "fp32",
 
 
 def _run(cp: int, jobs: list[tuple[str, int]], dtype: str, timeout: float) -> list[list[dict[str, Any]]]:
-    from ringft.ops.spawn import run_distributed
+    from ringft.utils.spawn import run_distributed
 
     return run_distributed(measure_worker, cp, jobs, dtype, timeout=timeout)
 

@@ -55,15 +55,14 @@ def _decreasing(lengths: Sequence[int], capacity: int, pick: Callable[[list[tupl
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """The old collator rule (``ringft.data.collator.first_fit_decreasing`` before issue 23): the
-    first row with room (it scanned the rows, as here)."""
+    """First fit decreasing, the rule ``pack_rows`` is compared with: the first row with room (a
+    scan of the rows)."""
     return _decreasing(lengths, capacity, lambda fits: fits[0][1])
 
 
 def old_best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """The old inline rule of ``ringft.data.packing.pack_examples`` (before issue 23): the fullest
-    row it fits, ties to the earliest. The old code kept the rooms in a sorted list, as
-    ``pack_rows`` now does; this copy scans, so its time column is a scan's."""
+    """Best fit decreasing by a scan: the fullest row it fits, ties to the earliest (``pack_rows``
+    keeps the rooms in a sorted list; this copy scans, so its time column is a scan's)."""
     return _decreasing(lengths, capacity, lambda fits: min(fits)[1])
 
 

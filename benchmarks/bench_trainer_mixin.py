@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the paths and print the markdown table."""
     import tempfile
 
-    from ringft.ops.spawn import run_distributed
+    from ringft.utils.spawn import run_distributed
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (global)")

@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import describe_machine  # noqa: E402
-from ringft.ops.spawn import run_distributed  # noqa: E402
 from ringft.ops.ulysses import kv_replication  # noqa: E402
 from ringft.planner.shapes import load_model_shape  # noqa: E402
 from ringft.planner.timing import H100_ATTENTION, attention_seconds, layer_traffic  # noqa: E402
+from ringft.utils.spawn import run_distributed  # noqa: E402
 
 WORLD = 8
 LLAMA = load_model_shape("llama-3-8b")
@@ -74,21 +74,21 @@ def _inputs(shape, seq: int) -> list[torch.Tensor]:
 
 def worker(rank: int, world: int, seq: int) -> list[dict]:
     """Per layout and shape: this rank's counts in the forward and in the backward."""
-    from ringft.ops.cp_sharding import cp_shard
-    from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.parallel import build_layout
+    from ringft.ops.sharding import cp_shard
     from ringft.ops.ulysses import ulysses_ring_attention
 
     counts: dict = {}
     _counting(counts)
     rows = []
     for u in (8, 4, 2, 1):
-        layout = build_hybrid_layout(world, u)
+        layout = build_layout(world, u)
         for name, shape in SHAPES.items():
             q, k, v, dout = (cp_shard(t, rank, world, u) for t in _inputs(shape, seq))
             q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
             zero = dict.fromkeys(("a2a_calls", "a2a_messages", "a2a_bytes", "ring_messages", "ring_bytes"), 0)
             counts.update(fwd=dict(zero), bwd=dict(zero), phase="fwd")
-            out = ulysses_ring_attention(q, k, v, groups=layout.groups, backend="torch", validate=False)
+            out = ulysses_ring_attention(q, k, v, groups=layout, backend="torch", validate=False)
             counts["phase"] = "bwd"
             out.backward(dout)
             rows.append({"u": u, "shape": name, "fwd": counts["fwd"], "bwd": counts["bwd"]})

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import describe_machine  # noqa: E402
 from ringft.ops import DTYPES, default_softmax_scale, get_backend, torch_backend  # noqa: E402
 from ringft.ops.emulate import run_schedule  # noqa: E402
-from ringft.ops.sharding import zigzag_shard  # noqa: E402
+from ringft.ops.sharding import cp_shard  # noqa: E402
 from ringft.ops.windows import window_chunks, window_plan  # noqa: E402
 
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     q, dout = (torch.randn(*shape, args.heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(*shape, args.kv_heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
     shards = [
-        [zigzag_shard(t, r, args.world).contiguous().to(args.device) for r in range(args.world)]
+        [cp_shard(t, r, args.world).contiguous().to(args.device) for r in range(args.world)]
         for t in (q, k, v, dout)
     ]
     runs = ([] if args.no_ring else [None]) + list(args.windows)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # allow `python data_prep/make_synthetic.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ringft.ops.values import tokens_arg  # noqa: E402
+from ringft.utils.values import tokens_arg  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

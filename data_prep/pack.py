@@ -11,7 +11,7 @@ the output are checked before the tokenizer is loaded, so a wrong path fails at 
 Documents are joined as ``doc0 EOS doc1 EOS ...`` and cut into rows of exactly ``--seq-len``
 tokens (column ``input_ids``); the short tail is dropped. ``--document-masking`` adds each row's
 document offsets (column ``cu_seqlens``, ``[0, ..., seq_len]``) for per-document attention in
-training (recipe key ``data.document_masking: true``). See ``ringft.data.packing``.
+training (recipe key ``data.document_masking: true``). See ``ringft.data.pack_corpus``.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ import tempfile
 from pathlib import Path
 
 try:
-    from ringft.data import packing
+    from ringft.data import pack_corpus as packing
 except ImportError:  # run from a source checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from ringft.data import packing
+    from ringft.data import pack_corpus as packing
 from ringft.data.tokenizer import load_tokenizer  # noqa: E402
-from ringft.ops.values import parse_tokens  # noqa: E402
+from ringft.utils.values import parse_tokens  # noqa: E402
 
 SUMMARY_FILE = "pack_summary.json"
 
 
 def _positive_int(text: str) -> int:
-    """A count > 0; token counts take k / M suffixes (``64k``: ringft.ops.values.parse_tokens)."""
+    """A count > 0; token counts take k / M suffixes (``64k``: ringft.utils.values.parse_tokens)."""
     try:
         value = parse_tokens(text)
     except ValueError:

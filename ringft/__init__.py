@@ -17,9 +17,8 @@ from typing import Any
 
 from ringft.data.collator import RingDataCollator, pad_and_shard
 from ringft.model.patch import apply_ring_attention, remove_ring_attention, ring_attention, ring_spec
-from ringft.ops import build_hybrid_layout, ulysses_ring_attention, zigzag_ring_attention
-from ringft.ops.cp_sharding import cp_gather, cp_position_ids, cp_shard, cp_unshard
-from ringft.ops.sharding import zigzag_gather, zigzag_position_ids, zigzag_shard, zigzag_unshard
+from ringft.ops import build_layout, ulysses_ring_attention, zigzag_ring_attention
+from ringft.ops.sharding import cp_gather, cp_position_ids, cp_shard, cp_unshard
 
 __version__ = "0.1.0"
 
@@ -47,7 +46,7 @@ __all__ = [
     "RingTrainerMixin",
     "TrainError",
     "apply_ring_attention",
-    "build_hybrid_layout",
+    "build_layout",
     "chunked_lm_loss",
     "cp_gather",
     "cp_position_ids",
@@ -60,11 +59,7 @@ __all__ = [
     "ring_attention",
     "ring_spec",
     "ulysses_ring_attention",
-    "zigzag_gather",
-    "zigzag_position_ids",
     "zigzag_ring_attention",
-    "zigzag_shard",
-    "zigzag_unshard",
 ]
 
 

@@ -1,6 +1,6 @@
 """Shared fixtures of the test suite, and where the shared helpers live.
 
-Tests spawn gloo ranks with ``ringft.ops.spawn.run_distributed``; a spawned rank imports its worker
+Tests spawn gloo ranks with ``ringft.utils.spawn.run_distributed``; a spawned rank imports its worker
 by module path, so every helper a worker may call is a plain function in a plain module (never in a
 test module: no test module imports another one, tests/test_architecture.py checks it):
 
@@ -24,7 +24,7 @@ Tests of tests/ops, tests/loss, tests/data and tests/model (but the real-weights
 one torch thread, fixtures included: their tensors are tiny, and a second thread only adds
 barriers (3-10x the wall time on a busy 2-core machine). Spawned ranks run one thread each.
 
-Spawned ranks start as forks of one fork server per pytest process (``ringft.ops.spawn``), which
+Spawned ranks start as forks of one fork server per pytest process (``ringft.utils.spawn``), which
 imports torch and the modules below once: a rank then costs a fork, not 5-10 s of imports on a busy
 2-core machine (transformers' modeling code is most of it).
 """
@@ -86,7 +86,7 @@ def _fork_server(request) -> None:
     it hands the ranks that capture's files (not the terminal)."""
     items = request.session.items
     if any("run_distributed" in vars(getattr(item, "module", None) or object) for item in items):
-        from ringft.ops.spawn import start_fork_server
+        from ringft.utils.spawn import start_fork_server
 
         start_fork_server()
 

@@ -17,6 +17,7 @@ TESTS = Path(__file__).resolve().parent
 TEST_FOLDERS_BEYOND_THE_PACKAGE = {"recipes"}  # tests/recipes: the shipped recipes/ folder
 
 LAYERS: dict[str, int] = {
+    "ringft.utils": -1,  # value checks with one error style, the N-process launcher: no attention math
     "ringft.ops": 0,  # math + communication: backends, merge, zigzag layout and schedule, emulation
     "ringft.data": 1,  # the CP collator, packing, line-retrieval text and records
     "ringft.model": 2,  # the transformers patch, model unwrapping, tiled MLP, RingInference
@@ -226,6 +227,15 @@ def test_ops_never_imports_transformers():
                 else []
             )
             assert not any(n.split(".")[0] in ("transformers", "accelerate", "peft") for n in names), path
+
+
+def test_ops_never_imports_option_parsing():
+    """The operator checks its own inputs (``ringft.ops.ring_checks``); the option checks of recipes,
+    flags and trainer keywords (``ringft.utils.values``) belong to the layers that read options."""
+    for path in sorted((PACKAGE / "ops").rglob("*.py")):
+        for target, names, line in _imports(path):
+            modules = {target, *(f"{target}.{n}" for n in names)}
+            assert "ringft.utils.values" not in modules, f"{path.relative_to(PACKAGE.parent)}:{line}"
 
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))

@@ -13,10 +13,10 @@ import pytest
 
 from ringft.cli import COMMANDS, main
 from ringft.ops.helptext import plain
-from ringft.ops.values import parse_tokens, tokens_arg
 from ringft.train.errors import RecipeError
 from ringft.train.overrides import apply_overrides
 from ringft.train.recipe import load_recipe, recipe_from_dict
+from ringft.utils.values import parse_tokens, tokens_arg
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -103,7 +103,7 @@ def compare_with_reference(model, ref, batch, full, rank, world, tag, group=None
     CP group (default: the world)."""
     import torch.distributed as dist
 
-    from ringft import zigzag_gather
+    from ringft import cp_gather
 
     out = model(**batch)
     out.loss.backward()
@@ -117,7 +117,7 @@ def compare_with_reference(model, ref, batch, full, rank, world, tag, group=None
     ref_out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
-    logits = zigzag_gather(out.logits.detach(), group=group)
+    logits = cp_gather(out.logits.detach(), group=group)
     errors = {
         f"{tag}/loss": (loss - ref_out.loss).abs().item(),
         f"{tag}/logits": (logits - ref_out.logits).abs().max().item(),

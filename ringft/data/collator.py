@@ -8,8 +8,7 @@ from typing import Any
 import torch
 
 from ringft.data.packer import pack_rows, padding_fraction
-from ringft.ops.cp_sharding import cp_shard, ulysses_size_problem
-from ringft.ops.sharding import zigzag_padded_length
+from ringft.ops.sharding import cp_shard, ulysses_size_problem, zigzag_padded_length
 
 
 class RingDataCollator:
@@ -45,7 +44,7 @@ class RingDataCollator:
     the last packed batch.
 
     ``ulysses_size`` (default 1: the zigzag ring): 2D context parallelism, ``cp_size = ulysses_size
-    x ring_size``; every tensor is sharded with :func:`ringft.ops.cp_sharding.cp_shard` (the ring's
+    x ring_size``; every tensor is sharded with :func:`ringft.ops.sharding.cp_shard` (the ring's
     zigzag shard, cut into ``ulysses_size`` contiguous pieces). The padding rule is the same.
 
     Every CP rank of a replica must receive the same examples (same order).

@@ -12,7 +12,7 @@ of the ring computes on, exactly as :class:`ringft.RingDataCollator` does for ra
 - the sequence is padded to a multiple of ``2 * cp_size`` (pad tokens without targets, positions
   continuing the row);
 - ``input_ids``, ``position_ids`` and the shifted labels are zigzag-sharded with the same index
-  (with ``ulysses_size``, the Ulysses x ring layout: :func:`ringft.ops.cp_sharding.cp_shard`).
+  (with ``ulysses_size``, the Ulysses x ring layout: :func:`ringft.ops.sharding.cp_shard`).
 
 Documents stay apart: a packed row's ``position_ids`` restart at 0 for every document (which is
 also how transformers masks packed rows in one process); the shard carries each row's global

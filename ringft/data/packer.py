@@ -1,7 +1,7 @@
 """The one packer: which examples share a row, and in which order (:func:`pack_rows`).
 
 Every packing caller uses it: the packing collator (``RingDataCollator(packing=True)``) and
-:func:`ringft.data.packing.pack_examples` (tokenized SFT examples with their offsets). Rule: best-fit
+:func:`ringft.data.pack_corpus.pack_examples` (tokenized SFT examples with their offsets). Rule: best-fit
 decreasing (longest example first, each into the fullest row it fits, ties to the earliest row),
 which uses at most ``11/9 OPT + 6/9`` rows; on the lengths of ``benchmarks/bench_packing.py`` it
 packs exactly as tightly as the collator's old first-fit rule, in ``O(n log n)`` instead of a scan

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ringft.model.rope import has_rope_scaling
-from ringft.ops.values import BadValue, as_integer, bad_value, parse_tokens
+from ringft.utils.values import BadValue, as_integer, bad_value, parse_tokens
 
 
 class EvalInputError(BadValue):

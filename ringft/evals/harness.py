@@ -133,7 +133,7 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
     # and every rank finishes reading --output before the main process writes to it.
     plan = run_together(check)
     opts = plan.ctx.options
-    layout = build_layout(opts.cp or state.num_processes, state.device.type)
+    layout = build_layout(opts.cp or state.num_processes, device_type=state.device.type)
     main_process = state.is_main_process
     if main_process:
         for line in [plan.warning, *plan.notes]:

@@ -19,7 +19,7 @@ from ringft.evals.checks import EvalInputError, check_positive, check_vocabulary
 from ringft.evals.model import check_model_path, load_config, weights_identity
 from ringft.evals.store import ResultsError, ResultsStore, tokenizer_identity, write_error
 from ringft.evals.task import Context, EvalTask
-from ringft.ops.values import as_number
+from ringft.utils.values import as_number
 
 
 def check_layout(args: argparse.Namespace, processes: int, device_type: str) -> None:

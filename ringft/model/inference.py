@@ -8,7 +8,7 @@ over the sharded cache is merged by log-sum-exp across the group (``ringft.ops.d
 own K/V is appended on CP rank 0. Nothing is truncated, and results equal one-process inference up
 to float round-off.
 
-2D context parallelism (``ulysses_size > 1``, or a layout from ``build_hybrid_layout``) is
+2D context parallelism (``ulysses_size > 1``, or a layout from ``build_layout``) is
 supported exactly: the prefill runs through Ulysses x ring; each CP rank caches the K/V of the
 tokens it holds in that layout (all heads, its ``S / cp_size`` positions), so decoding is the same
 merge over the CP group.

@@ -30,9 +30,8 @@ import torch.distributed as dist
 
 from ringft.model.chunked import CHUNKS, POSITIONS, chunk_offsets, chunk_problem, chunk_size
 from ringft.model.rope import rope_problem
-from ringft.ops.cp_sharding import cp_position_ids, cp_unshard
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens, cu_seqlens_from_position_ids, document_plan
-from ringft.ops.sharding import local_length_problem, zigzag_padded_length
+from ringft.ops.sharding import cp_position_ids, cp_unshard, local_length_problem, zigzag_padded_length
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 
 __all__ = [
@@ -71,7 +70,7 @@ def position_problems(positions: torch.Tensor | None, cp_size: int, inference: b
         return []
     return [
         "ring attention over a CP group needs the global position ids of the local tokens "
-        "(RoPE): pass position_ids from RingDataCollator or cp_position_ids(...) (zigzag_position_ids(...) "
+        "(RoPE): pass position_ids from RingDataCollator or cp_position_ids(...) (cp_position_ids(...) "
         "for the plain ring)"
     ]
 

@@ -1,4 +1,4 @@
-"""transformers integration: run LLaMA / Mistral attention as zigzag ring attention.
+"""transformers integration: run a decoder model's attention as zigzag ring attention.
 
 transformers (>= 5) routes the attention of LLaMA-style models through its ``AttentionInterface``
 registry: the attention module calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with
@@ -45,10 +45,10 @@ from ringft.model.rope import rope_problem
 from ringft.model.unwrap import decoder, present_no_split_modules, pretrained_model
 from ringft.ops import ShardedKVCache, ulysses_ring_attention, zigzag_ring_attention
 from ringft.ops.comm import group_rank_and_size
-from ringft.ops.hybrid_layout import resolve_cp_groups
+from ringft.ops.parallel import ParallelLayout, resolve_cp_groups
 from ringft.ops.saved_attention import active_store
 from ringft.ops.ulysses import heads_problem
-from ringft.ops.values import as_choice, as_integer
+from ringft.utils.values import as_choice, as_integer
 
 __all__ = [
     "ATTENTION_NAME",
@@ -71,8 +71,8 @@ class RingSpec:
     untiled); set by :func:`apply_ring_attention`, read with :func:`ring_spec`.
 
     2D context parallelism: ``ulysses_size > 1`` splits the CP group into Ulysses x ring
-    (``groups``: :class:`~ringft.ops.hybrid_layout.HybridGroups`; None for the plain ring), and the
-    tokens follow :mod:`ringft.ops.cp_sharding`'s layout. ``attention_checkpoint``: ``recompute``,
+    (``layout``: its :class:`~ringft.ops.parallel.ParallelLayout`; None for the plain ring), and
+    the tokens follow :mod:`ringft.ops.sharding`'s layout. ``attention_checkpoint``: ``recompute``,
     ``save`` or ``offload`` (:mod:`ringft.model.attention_checkpoint`)."""
 
     group: Any
@@ -81,19 +81,19 @@ class RingSpec:
     rank: int
     previous_implementation: str | None
     ulysses_size: int = 1
-    groups: Any = None
+    layout: ParallelLayout | None = None
     attention_tile_tokens: int | None = None
     attention_checkpoint: str = "recompute"
 
     @property
     def ring_rank(self) -> int:
-        """This rank's position in its ring group (``rank // ulysses_size``)."""
-        return self.rank // self.ulysses_size
+        """This rank's position in its ring group (the CP rank on the plain ring)."""
+        return self.rank if self.layout is None else self.layout.ring_rank
 
     @property
     def ring_size(self) -> int:
-        """Ranks per ring group (``size // ulysses_size``)."""
-        return self.size // self.ulysses_size
+        """Ranks per ring group (the CP size on the plain ring)."""
+        return self.size if self.layout is None else self.layout.ring_size
 
 
 def ring_spec(model: torch.nn.Module) -> RingSpec | None:
@@ -151,7 +151,7 @@ def ring_attention_forward(
             "config.attention_dropout = 0.0"
         )
     sinks = kwargs.get("s_aux")  # gpt-oss: merged after the ring (ringft.ops.sinks)
-    if sinks is not None and (ring_cache is not None or spec.groups is not None):
+    if sinks is not None and (ring_cache is not None or spec.layout is not None):
         raise ValueError(
             "attention sinks (s_aux) run on the plain ring only: RingInference and ulysses_size > 1 "
             "do not compute them (use ulysses_size 1 and model.generate in one process)"
@@ -193,10 +193,10 @@ def ring_attention_forward(
 def _attend(
     spec: RingSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> torch.Tensor:
-    """The zigzag ring over the CP group, or Ulysses x ring over ``spec.groups``."""
-    if spec.groups is None:
+    """The zigzag ring over the CP group, or Ulysses x ring over ``spec.layout``'s groups."""
+    if spec.layout is None:
         return zigzag_ring_attention(q, k, v, group=spec.group, **options)
-    return ulysses_ring_attention(q, k, v, groups=spec.groups, **options)
+    return ulysses_ring_attention(q, k, v, groups=spec.layout, **options)
 
 
 def _register() -> None:
@@ -233,22 +233,21 @@ def apply_ring_attention(
     """Switch a model of a supported family (:data:`ringft.model.families.FAMILIES`) to zigzag ring
     attention over ``cp_group``.
 
-    ``cp_group``: the CP process group (``None``: the default group), or, for 2D context
-    parallelism (Ulysses x ring), the layout of :func:`ringft.ops.build_hybrid_layout` (or its
-    ``.groups``). ``ulysses_size`` (default 1: the plain ring, bit for bit) splits a CP group that
-    spans every process into Ulysses x ring itself; it must divide the CP size and the query heads
-    (refused naming the sizes that work). ``attention_checkpoint``: under gradient checkpointing,
-    ``"recompute"`` (default) runs each layer's ring forward again in the backward; ``"save"`` keeps
-    each layer's attention output and log-sum-exp from the forward so the recompute skips the ring
-    forward (same gradients, bit for bit; ``heads_q * (head_dim * itemsize + 4)`` more bytes per token
-    and layer until the layer's backward); ``"offload"`` keeps them in host memory (pinned on CUDA).
-    ``save`` / ``offload`` need non-reentrant gradient checkpointing (refused at the first training
-    forward without it). Idempotent (a second call updates the groups/backend);
-    undo with :func:`remove_ring_attention`. Works on a peft-wrapped model too. Returns ``model``.
-    Inputs are then the CP rank's shard: ``input_ids`` / ``position_ids`` ``(batch, S / cp_size)``
-    (``RingDataCollator(..., ulysses_size=)``). ``attention_tile_tokens`` (an int >= 1; None:
-    untiled) runs every attention kernel call over tiles of at most that many queries and keys,
-    merged exactly by log-sum-exp (:mod:`ringft.ops.tiles`), so the kernels' transient memory
+    ``cp_group``: the CP process group (``None``: the default group), or, for 2D context parallelism
+    (Ulysses x ring), the :class:`~ringft.ops.parallel.ParallelLayout` of :func:`ringft.ops.build_layout`.
+    ``ulysses_size`` (default 1: the plain ring, bit for bit) splits a CP group that spans every process
+    into Ulysses x ring itself; it must divide the CP size and the query heads (refused naming the sizes
+    that work). ``attention_checkpoint``: under gradient checkpointing, ``"recompute"`` (default) runs
+    each layer's ring forward again in the backward; ``"save"`` keeps each layer's attention output and
+    log-sum-exp from the forward so the recompute skips the ring forward (same gradients, bit for bit;
+    ``heads_q * (head_dim * itemsize + 4)`` more bytes per token and layer until the layer's backward);
+    ``"offload"`` keeps them in host memory (pinned on CUDA). ``save`` / ``offload`` need non-reentrant
+    gradient checkpointing (refused at the first training forward without it). Idempotent (a second call
+    updates the groups/backend); undo with :func:`remove_ring_attention`. Works on a peft-wrapped model
+    too. Returns ``model``. Inputs are then the CP rank's shard: ``input_ids`` / ``position_ids``
+    ``(batch, S / cp_size)`` (``RingDataCollator(..., ulysses_size=)``). ``attention_tile_tokens`` (an int
+    >= 1; None: untiled) runs every attention kernel call over tiles of at most that many queries and
+    keys, merged exactly by log-sum-exp (:mod:`ringft.ops.tiles`), so the kernels' transient memory
     follows the tile instead of the local sequence.
     """
     if _transformers_version() < MIN_TRANSFORMERS:
@@ -273,7 +272,7 @@ def apply_ring_attention(
     as_choice("attention_checkpoint", attention_checkpoint, ATTENTION_CHECKPOINT)
     group, hybrid = resolve_cp_groups(cp_group, ulysses_size)  # (may build groups: every rank calls it)
     rank, size = group_rank_and_size(group)
-    uly = 1 if hybrid is None else hybrid.sizes()[0]
+    uly = 1 if hybrid is None else hybrid.group_sizes()[0]
     heads = heads_problem(config.num_attention_heads, uly, size) if uly > 1 else None
     if heads:
         raise ValueError(heads)
@@ -290,7 +289,7 @@ def apply_ring_attention(
         hook.remove()
     previous = old.previous_implementation if old else config._attn_implementation
     spec = RingSpec(
-        group, backend, size, rank, previous, ulysses_size=uly, groups=hybrid,
+        group, backend, size, rank, previous, ulysses_size=uly, layout=hybrid,
         attention_tile_tokens=attention_tile_tokens, attention_checkpoint=attention_checkpoint,
     )  # fmt: skip
     unwrap_checkpointing(decoder(model))  # (the pre-hook wraps again for save / offload)

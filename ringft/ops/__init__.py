@@ -1,33 +1,34 @@
-"""Pure math and communication for zigzag ring attention. Never imports transformers.
+"""Pure math and communication for zigzag ring attention. Never imports transformers, nor the option
+checks of ``ringft.utils``.
 
 Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp merge), ``backends``
-(block backend interface and choice; backends in ``reference``, ``torch_backend``,
-``flash_backend``), ``comm`` (ring exchange), ``zigzag_blocks`` + ``zigzag`` (the operator),
-``validate`` (every rank fails together: one exchange of facts, then the checks), ``values``
-(typed value checks with one error style, for every user-facing setting), ``decode`` (sharded KV
-cache for inference), ``sharding`` (the zigzag layout: shard / unshard / global positions, the
-sequence-length rule), ``documents`` (packed documents on the ring), ``emulate`` (the ring's
-schedule in one process), ``parallel`` (the DP x CP process layout), ``spawn`` (N gloo processes
-with a timeout);
-2D context parallelism (Ulysses x ring): ``cp_sharding`` (its token layout), ``hybrid_layout`` (its
-process groups), ``alltoall`` (sequence <-> head shards), ``ulysses`` (the operator).
+(block backend interface, choice and the list of names; backends in ``reference``,
+``torch_backend``, ``flash_backend``, ``cudnn_backend``), ``comm`` (ring exchange),
+``zigzag_blocks`` + ``zigzag`` (the operator), ``ring_checks`` (its input checks), ``validate``
+(every rank fails together: one exchange of facts, then the checks), ``decode`` (sharded KV cache
+for inference), ``sharding`` (which tokens a CP rank holds: shard / unshard / global positions, the
+sequence-length rule, for the ring and for Ulysses x ring), ``documents`` (packed documents on the
+ring), ``emulate`` (the ring's schedule in one process), ``parallel`` (the DP x CP process layout,
+CP = Ulysses x ring, over one device mesh);
+2D context parallelism (Ulysses x ring): ``alltoall`` (sequence <-> head shards), ``ulysses`` (the
+operator).
 """
 
 from ringft.ops.backends import BACKENDS, default_softmax_scale, get_backend
 from ringft.ops.decode import ShardedKVCache, sharded_cache_attention
 from ringft.ops.dtypes import DTYPES, accumulator_dtype, dtype_from_name, dtype_name
-from ringft.ops.hybrid_layout import HybridGroups, build_hybrid_layout
 from ringft.ops.merge import merge_attention_
+from ringft.ops.parallel import ParallelLayout, build_layout
 from ringft.ops.ulysses import ulysses_ring_attention
 from ringft.ops.zigzag import zigzag_ring_attention
 
 __all__ = [
     "BACKENDS",
     "DTYPES",
-    "HybridGroups",
+    "ParallelLayout",
     "ShardedKVCache",
     "accumulator_dtype",
-    "build_hybrid_layout",
+    "build_layout",
     "default_softmax_scale",
     "dtype_from_name",
     "dtype_name",

@@ -60,7 +60,6 @@ __all__ = [
     "get_backend",
 ]
 
-BACKENDS = ("auto", "torch", "flash_attn", "cudnn", "reference")
 
 _LOG = logging.getLogger(__name__)
 
@@ -245,11 +244,10 @@ def _capability(index: int) -> tuple[int, int]:
 _WARNED: set[str] = set()
 # Backends are stateless apart from flash-attn's signature lookup: one instance each.
 _INSTANCES: dict[str, BlockAttention] = {
-    "torch": TorchBackend(),
-    "flash_attn": FlashAttnBackend(),
-    "cudnn": CudnnBackend(),
-    "reference": ReferenceBackend(),
+    b.name: b for b in (TorchBackend(), FlashAttnBackend(), CudnnBackend(), ReferenceBackend())
 }
+# Every name an ``attn_backend`` / ``ring_backend`` option accepts: "auto" and each backend's own name.
+BACKENDS: tuple[str, ...] = ("auto", *_INSTANCES)
 
 
 _LOGGED: set[tuple[str, str]] = set()

@@ -15,7 +15,7 @@ import torch
 from ringft.ops.backends import BlockAttention, default_softmax_scale, get_backend
 from ringft.ops.documents import DocumentPlan, document_plan
 from ringft.ops.dtypes import accumulator_dtype
-from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+from ringft.ops.sharding import cp_shard, cp_unshard
 from ringft.ops.window_blocks import backward_window_step, forward_window_step, local_blocks, row_groups
 from ringft.ops.windows import window_plan
 from ringft.ops.zigzag_blocks import backward_block, forward_block
@@ -182,8 +182,8 @@ def emulate_zigzag_attention(
     kernel = get_backend(backend, q.device, q.dtype, q.shape[-1])
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     n = cp_size
-    qs, ks, vs = ([zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v))
-    douts = None if dout is None else [zigzag_shard(dout, r, n) for r in range(n)]
+    qs, ks, vs = ([cp_shard(t, r, n) for r in range(n)] for t in (q, k, v))
+    douts = None if dout is None else [cp_shard(dout, r, n) for r in range(n)]
     plans = None
     window = sliding_window if sliding_window is not None and sliding_window < q.shape[1] else None
     if window is not None and not causal:
@@ -194,13 +194,13 @@ def emulate_zigzag_attention(
         kernel, qs, ks, vs, douts, causal=causal, softmax_scale=scale, plans=plans, sliding_window=window,
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    out = zigzag_unshard([outs[r] for r in range(n)])
-    lse = zigzag_unshard([lses[r] for r in range(n)], dim=2)
+    out = cp_unshard([outs[r] for r in range(n)])
+    lse = cp_unshard([lses[r] for r in range(n)], dim=2)
     grads = None
     if dout is not None:
         grads = (
-            zigzag_unshard([dqs[r] for r in range(n)]).to(q.dtype),
-            zigzag_unshard([g[0] for g in dkvs]).to(k.dtype),
-            zigzag_unshard([g[1] for g in dkvs]).to(v.dtype),
+            cp_unshard([dqs[r] for r in range(n)]).to(q.dtype),
+            cp_unshard([g[0] for g in dkvs]).to(k.dtype),
+            cp_unshard([g[1] for g in dkvs]).to(v.dtype),
         )
     return out, lse, grads

@@ -18,9 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ringft.ops.backends import get_backend
+from ringft.ops.tiles import tiled
+
 Tensor = torch.Tensor
 
-__all__ = ["LatentAttention", "pad_head_dims"]
+__all__ = ["LatentAttention", "block_kernel", "pad_head_dims"]
 
 
 def pad_head_dims(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -86,3 +89,12 @@ class LatentAttention:
     def check(self, q: Tensor) -> str | None:
         """The inner backend's check, on q as the kernel gets it (padded)."""
         return self.inner.check(q[..., :1].expand(*q.shape[:-1], self.dim))
+
+
+def block_kernel(backend: str, q: Tensor, v: Tensor, tile: int | None):
+    """The block backend for q ``(..., dqk)`` and v ``(..., dv)``, in tiles of ``tile`` tokens
+    (:func:`ringft.ops.tiles.tiled`), padding each call to one head dim where they differ
+    (:class:`LatentAttention`)."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    inner = tiled(get_backend(backend, q.device, q.dtype, max(dqk, dv)), tile)
+    return LatentAttention.wrap(inner, dqk, dv)

@@ -299,12 +299,12 @@ def emulate_gated_delta_rule(
 ) -> Tensor:
     """:func:`ring_gated_delta_rule` of ``size`` ranks in one process, on global tensors
     ``(batch, seq, ...)``, with global document ``offsets``; returns the global output."""
-    from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+    from ringft.ops.sharding import cp_shard, cp_unshard
 
-    shards = [[zigzag_shard(t, r, size) for t in (q, k, v, g, beta)] for r in range(size)]
+    shards = [[cp_shard(t, r, size) for t in (q, k, v, g, beta)] for r in range(size)]
     passes = [
         chunk_pass(rule, *shards[r], document_starts(offsets, q.shape[1], r, size), **kw) for r in range(size)
     ]
     affine = torch.stack([p[2] for p in passes])
     outs = [_finish(p[0], p[1], entering_states(affine, r), v.dtype) for r, p in enumerate(passes)]
-    return zigzag_unshard(outs)
+    return cp_unshard(outs)

@@ -6,7 +6,7 @@ into the attention over the union of the keys:
     lse = log(exp(lse_a) + exp(lse_b))
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-written in the overflow-free form of seed 000:
+written in an overflow-free form (the one of ring-flash-attention's ``update_out_and_lse``):
 
     out = out_a + sigmoid(lse_b - lse_a) * (out_b - out_a)      (a lerp)
     lse = lse_a - logsigmoid(lse_a - lse_b)

@@ -42,7 +42,7 @@ import torch
 from ringft.ops.backends import BlockAttention, MaskedTileAttention, WindowAttention
 from ringft.ops.dtypes import accumulator_dtype
 from ringft.ops.merge import merge_attention_
-from ringft.ops.values import as_integer
+from ringft.ops.ring_checks import tile_tokens_problem
 
 Tensor = torch.Tensor
 
@@ -221,7 +221,9 @@ def tiled(backend: BlockAttention, tokens: int | None) -> BlockAttention:
     ``backend`` does, never ``VarlenAttention`` (see the module docstring)."""
     if tokens is None:
         return backend
-    tokens = as_integer("attention_tile_tokens", tokens, 1, optional=True)
+    problem = tile_tokens_problem(tokens)
+    if problem:
+        raise ValueError(problem)
     inner = backend.inner if isinstance(backend, TiledAttention) else backend
     cls = _tiled_class(isinstance(inner, WindowAttention), isinstance(inner, MaskedTileAttention))
     return cls(inner, tokens)

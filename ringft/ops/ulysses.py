@@ -1,5 +1,5 @@
 """Ulysses x ring attention (2D context parallelism, "USP"): exact attention on the CP layout of
-:mod:`ringft.ops.cp_sharding` (``cp_size = ulysses_size x ring_size``).
+:mod:`ringft.ops.sharding` (``cp_size = ulysses_size x ring_size``).
 
 Each call:
 
@@ -29,9 +29,10 @@ import torch
 from ringft.ops.alltoall import heads_to_seq, seq_to_heads
 from ringft.ops.documents import DocumentPlan, check_cu_seqlens
 from ringft.ops.dtypes import follow_autocast
-from ringft.ops.hybrid_layout import HybridGroups
+from ringft.ops.parallel import ParallelLayout
+from ringft.ops.ring_checks import local_input_problems, offsets_checksum
 from ringft.ops.validate import DTYPE_CODES, exchange_facts, raise_if_facts_differ, raise_problems
-from ringft.ops.zigzag import local_input_problems, offsets_checksum, zigzag_ring_attention
+from ringft.ops.zigzag import zigzag_ring_attention
 
 Tensor = torch.Tensor
 
@@ -84,8 +85,8 @@ def _document_problems(q: Tensor, cu_seqlens, causal: bool, sizes, ranks) -> lis
     return check_cu_seqlens(cu_seqlens, q.shape[1] * cp_size, q.shape[0])
 
 
-def _problems(q, k, v, backend, cu_seqlens, causal, groups: HybridGroups) -> list[str]:
-    sizes, ranks, layout = groups.sizes(), groups.ranks(), groups.problem()
+def _problems(q, k, v, backend, cu_seqlens, causal, groups: ParallelLayout) -> list[str]:
+    sizes, ranks, layout = groups.group_sizes(), groups.group_ranks(), groups.problem()
     problems = ([layout] if layout else []) + local_input_problems(q, k, v, backend, sizes[2])
     if q.dim() == 4:
         head = heads_problem(q.shape[2], sizes[0], sizes[2])
@@ -93,14 +94,14 @@ def _problems(q, k, v, backend, cu_seqlens, causal, groups: HybridGroups) -> lis
     return problems + _document_problems(q, cu_seqlens, causal, sizes, ranks)
 
 
-def _validate(q, k, v, backend, cu_seqlens, causal, groups: HybridGroups) -> None:
+def _validate(q, k, v, backend, cu_seqlens, causal, groups: ParallelLayout) -> None:
     """The same ``ValueError`` on every CP rank when any rank's inputs are unusable or disagree:
     one small all_gather over the CP group before any all-to-all or ring traffic."""
-    (u_size, r_size, _), (_, _, cp_rank) = groups.sizes(), groups.ranks()
+    (u_size, r_size, _), (_, _, cp_rank) = groups.group_sizes(), groups.group_ranks()
     shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
     facts = (*shape, DTYPE_CODES.get(q.dtype, 0), offsets_checksum(cu_seqlens), u_size, r_size)
     problems = _problems(q, k, v, backend, cu_seqlens, causal, groups)
-    rows = exchange_facts((int(bool(problems)),), facts, group=groups.cp, device=q.device)
+    rows = exchange_facts((int(bool(problems)),), facts, group=groups.cp_group, device=q.device)
     where = "ulysses_ring_attention"
     raise_problems(where, problems, [bool(bad) for (bad,), _ in rows], cp_rank)
     raise_if_facts_differ(
@@ -134,7 +135,7 @@ def ulysses_ring_attention(
     k: Tensor,
     v: Tensor,
     *,
-    groups: HybridGroups | None = None,
+    groups: ParallelLayout | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
@@ -148,8 +149,9 @@ def ulysses_ring_attention(
     Args:
         q: ``(batch, seq_local, heads_q, head_dim)``, this CP rank's tokens (:func:`cp_shard`).
         k, v: ``(batch, seq_local, heads_kv, head_dim)``, GQA (``heads_q % heads_kv == 0``).
-        groups: the Ulysses, ring and CP groups (:func:`build_hybrid_layout`'s ``.groups``). ``None``:
-            no Ulysses split, the zigzag ring over the default group (today's operator).
+        groups: the layout whose Ulysses, ring and CP groups to use (:func:`build_layout`, or
+            ``ParallelLayout.from_groups``). ``None``: no Ulysses split, the zigzag ring over the
+            default group (:func:`zigzag_ring_attention`).
         causal, softmax_scale, backend: as for :func:`zigzag_ring_attention`.
         return_lse: also return the log-sum-exp ``(batch, heads_q, seq_local)`` in fp32.
         validate: check every CP rank's inputs and layout together first (one small all_gather over
@@ -162,8 +164,8 @@ def ulysses_ring_attention(
         ``out`` ``(batch, seq_local, heads_q, head_dim)`` in q's dtype (the autocast dtype under
         autocast), and ``lse`` if asked.
     """
-    if groups is None or (groups.sizes()[0] == 1 and groups.problem() is None):
-        ring = None if groups is None else groups.ring
+    if groups is None or (groups.group_sizes()[0] == 1 and groups.problem() is None):
+        ring = None if groups is None else groups.ring_group
         return zigzag_ring_attention(
             q, k, v, causal=causal, softmax_scale=softmax_scale, group=ring, backend=backend,
             return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, **ring_options,
@@ -174,17 +176,18 @@ def ulysses_ring_attention(
     else:
         problems = _problems(q, k, v, backend, cu_seqlens, causal, groups)
         if problems:
-            raise ValueError(f"ulysses_ring_attention: CP rank {groups.ranks()[2]}: " + "; ".join(problems))
-    size = groups.sizes()[0]
+            where = f"ulysses_ring_attention: CP rank {groups.group_ranks()[2]}: "
+            raise ValueError(where + "; ".join(problems))
+    size = groups.group_sizes()[0]
     k, v = _replicate_kv(k, v, size)
-    qh, kh, vh = seq_to_heads(q, k, v, group=groups.ulysses, size=size)
+    qh, kh, vh = seq_to_heads(q, k, v, group=groups.ulysses_group, size=size)
     out, lse = zigzag_ring_attention(
-        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, group=groups.ring, backend=backend,
+        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, group=groups.ring_group, backend=backend,
         return_lse=True, validate=False, cu_seqlens=cu_seqlens, **ring_options,
     )  # fmt: skip
-    (out,) = heads_to_seq(out, group=groups.ulysses, size=size)
+    (out,) = heads_to_seq(out, group=groups.ulysses_group, size=size)
     if not return_lse:
         return out
     with torch.no_grad():
-        (lse,) = heads_to_seq(lse.transpose(1, 2).unsqueeze(-1), group=groups.ulysses, size=size)
+        (lse,) = heads_to_seq(lse.transpose(1, 2).unsqueeze(-1), group=groups.ulysses_group, size=size)
     return out, lse.squeeze(-1).transpose(1, 2).contiguous()

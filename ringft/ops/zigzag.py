@@ -19,144 +19,23 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ringft.ops import values
-from ringft.ops.backends import BACKENDS, BlockAttention, default_softmax_scale, get_backend
+from ringft.ops.backends import BlockAttention, default_softmax_scale, get_backend
 from ringft.ops.comm import RingExchange, group_rank_and_size, kv_buffer, kv_views
-from ringft.ops.documents import DocumentPlan, check_cu_seqlens, document_plan
+from ringft.ops.documents import DocumentPlan, document_plan
 from ringft.ops.dtypes import accumulator_dtype, follow_autocast, no_autocast
-from ringft.ops.latent import LatentAttention, pad_head_dims
+from ringft.ops.latent import block_kernel, pad_head_dims
+from ringft.ops.ring_checks import rank_problems, validate_inputs
 from ringft.ops.saved_attention import AttentionStore
-from ringft.ops.sharding import local_length_problem
-from ringft.ops.sinks import sink_gradient, sink_problems, sink_rescale
+from ringft.ops.sinks import sink_gradient, sink_rescale
 from ringft.ops.tiles import tiled
-from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 from ringft.ops.window_blocks import row_groups
 from ringft.ops.window_ring import windowed_ring_attention
-from ringft.ops.windows import window_plan, window_problems
+from ringft.ops.windows import window_plan
 from ringft.ops.zigzag_blocks import backward_block, forward_block
 
 Tensor = torch.Tensor
 
-__all__ = ["local_input_problems", "offsets_checksum", "validate_inputs", "zigzag_ring_attention"]
-
-
-def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str, cp_size: int = 1) -> list[str]:
-    """What is wrong with this rank's q ``(B, S_local, Hq, D)`` and k/v ``(B, S_local, Hkv, D)``
-    (one of ``cp_size`` ranks) on their own (no communication, no host sync): one message per
-    problem, each naming the fix."""
-    problems = []
-    if backend not in BACKENDS:
-        return [f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}"]
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return [
-            "q, k and v must be 4-D (batch, seq_local, heads, head_dim); got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        ]
-    if k.shape[:3] != v.shape[:3]:  # (v's head dim may differ: latent attention)
-        problems.append(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    bq, sq, hq, dq = q.shape
-    bk, sk, hk, dk = k.shape
-    if (bq, sq, dq) != (bk, sk, dk):
-        problems.append(
-            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, seq_local and head_dim"
-        )
-    if hk == 0 or hq % hk != 0:
-        problems.append(
-            f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA: "
-            "check num_attention_heads / num_key_value_heads"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        problems.append(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: cast them")
-    if not (q.device == k.device == v.device):
-        problems.append("q, k and v must be on the same device")
-    if q.dtype not in DTYPE_CODES:
-        problems.append(f"unsupported dtype {q.dtype}: use fp32, bf16, fp16 or fp64")
-    length = local_length_problem(sq, cp_size)
-    if length:
-        problems.append(length)
-    if not problems:
-        reason = _kernel(backend, q, v, None).check(q)
-        if reason:
-            problems.append(reason)
-    return problems
-
-
-def _kernel(backend: str, q: Tensor, v: Tensor, tile: int | None):
-    """The block backend for q ``(..., dqk)`` and v ``(..., dv)``, tiled, padding each call to one
-    head dim where they differ (:class:`~ringft.ops.latent.LatentAttention`)."""
-    dqk, dv = q.shape[-1], v.shape[-1]
-    inner = tiled(get_backend(backend, q.device, q.dtype, max(dqk, dv)), tile)
-    return LatentAttention.wrap(inner, dqk, dv)
-
-
-def _window_problems(sliding_window, causal: bool, tile_tokens=None) -> list[str]:
-    problems = window_problems(sliding_window)
-    if sliding_window is not None and not causal:
-        problems.append("sliding_window needs causal=True (a window looks back only): drop one of them")
-    tile = values.problems(lambda: values.as_integer("attention_tile_tokens", tile_tokens, 1, optional=True))
-    return problems + tile
-
-
-def _document_problems(q: Tensor, cu_seqlens, causal: bool, rank: int, size: int) -> list[str]:
-    if cu_seqlens is None:
-        return []
-    if not causal:
-        return ["cu_seqlens (packed documents) needs causal=True"]
-    if q.dim() != 4:
-        return []
-    if isinstance(cu_seqlens, DocumentPlan):
-        plan = cu_seqlens
-        if (plan.rank, plan.cp_size, len(plan.rows), plan.rows[0].diagonal[-1]) != (rank, size, *q.shape[:2]):
-            return [f"the DocumentPlan was built for rank {plan.rank} of {plan.cp_size} and another shape"]
-        return []
-    return check_cu_seqlens(cu_seqlens, q.shape[1] * size, q.shape[0])
-
-
-def offsets_checksum(cu_seqlens) -> int:
-    """A fingerprint of per-row global document offsets for the ranks' agreement check (0 for none
-    or a prebuilt DocumentPlan, which is checked against this rank instead)."""
-    if cu_seqlens is None or isinstance(cu_seqlens, DocumentPlan):
-        return 0
-    return checksum([list(map(int, row)) for row in cu_seqlens])
-
-
-def validate_inputs(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    backend: str,
-    group,
-    rank: int,
-    size: int,
-    *,
-    cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    attention_tile_tokens: int | None = None,
-    sinks: Tensor | None = None,
-) -> None:
-    """Raise the same ``ValueError`` on every rank when any rank's inputs are unusable.
-
-    Local problems and every rank's shape/dtype (document offsets' checksum, sliding window) are
-    exchanged in one small all_gather before any ring traffic, so a bad input on one rank never
-    leaves the others waiting in a send/recv.
-    """
-    problems = local_input_problems(q, k, v, backend, size)
-    problems += _document_problems(q, cu_seqlens, causal, rank, size)
-    problems += _window_problems(sliding_window, causal, attention_tile_tokens) + sink_problems(sinks, q)
-    shape = (*q.shape, k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (-1,) * 5
-    window = sliding_window if isinstance(sliding_window, int) and not problems else 0
-    facts = (*shape, DTYPE_CODES.get(q.dtype, 0), offsets_checksum(cu_seqlens), window)
-    rows = exchange_facts((int(bool(problems)),), facts, group=group, device=q.device)
-    where = "zigzag_ring_attention"
-    raise_problems(where, problems, [bool(bad) for (bad,), _ in rows], rank)
-    raise_if_facts_differ(
-        where,
-        [theirs for _, theirs in rows],
-        "(batch, seq_local, heads, dim, kv_heads, dtype, cu_seqlens checksum, sliding_window)",
-        "all CP ranks must pass the same batch, seq_local (S / cp_size), heads, head_dim, dtype, "
-        "cu_seqlens and sliding_window. Shard every sequence with zigzag_shard / RingDataCollator",
-    )
+__all__ = ["zigzag_ring_attention"]
 
 
 class _ZigzagRingAttention(torch.autograd.Function):
@@ -299,7 +178,7 @@ def zigzag_ring_attention(
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         group: the context-parallel process group (default: the world group; N = 1 needs no
             torch.distributed at all).
-        backend: ``auto`` | ``torch`` | ``flash_attn`` | ``reference`` (see ``ringft.ops.backends``).
+        backend: one of ``ringft.ops.backends.BACKENDS`` (``auto`` picks; see that module).
         return_lse: also return the log-sum-exp ``(batch, heads_q, seq_local)`` in fp32.
         validate: check that every rank's inputs are usable and agree (one small all_gather and a
             host sync) before any ring traffic. ``False`` keeps only this rank's own checks, with
@@ -348,10 +227,10 @@ def zigzag_ring_attention(
             sliding_window=sliding_window, attention_tile_tokens=attention_tile_tokens, sinks=sinks,
         )  # fmt: skip
     else:
-        problems = local_input_problems(q, k, v, backend, size) + _document_problems(
-            q, cu_seqlens, causal, rank, size
-        )
-        problems += _window_problems(sliding_window, causal, attention_tile_tokens) + sink_problems(sinks, q)
+        problems = rank_problems(
+            q, k, v, backend, rank, size, cu_seqlens=cu_seqlens, causal=causal,
+            sliding_window=sliding_window, attention_tile_tokens=attention_tile_tokens, sinks=sinks,
+        )  # fmt: skip
         if problems:
             raise ValueError(f"zigzag_ring_attention: rank {rank}: " + "; ".join(problems))
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -365,7 +244,7 @@ def zigzag_ring_attention(
         documents = cu_seqlens
         if cu_seqlens is not None and not isinstance(cu_seqlens, DocumentPlan):
             documents = document_plan(cu_seqlens, q.shape[1] * size, rank, size, batch=q.shape[0])
-        kernel = _kernel(backend, q, v, attention_tile_tokens)
+        kernel = block_kernel(backend, q, v, attention_tile_tokens)
         with no_autocast(q.device.type):
             out, lse = _ZigzagRingAttention.apply(
                 q, k, v, causal, scale, group, kernel, rank, size, documents, kept, sinks

@@ -31,7 +31,8 @@ constant ~70 MiB of cuBLAS/kernel workspaces, below ``max_memory_allocated``), a
 against CUDA allocator traces on an H200 (bf16 LoRA, tiled MLP, activation offload, 128K-384K
 tokens: within 0.2 %; the peak is the second RMSNorm's backward, whose five fp32 ``(T, h)``
 temporaries are the largest single term, see ``tests/planner/test_planner_gpu_measured.py``). The
-ring buffers of ``cp > 1`` follow ``ringft.ops.zigzag`` but were not measured on several GPUs.
+ring buffers of ``cp > 1`` follow ``ringft.ops.zigzag``. Which figures are measured, emulated or
+planned, and on which machine: ``benchmarks/RESULTS.md``.
 
 Shapes (from the model config): ``h`` hidden size, ``i`` MLP intermediate size, ``L`` layers,
 ``nh`` attention heads, ``nkv`` key/value heads, ``d`` head dim, ``V`` vocabulary. ``a`` is the

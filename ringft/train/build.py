@@ -183,7 +183,7 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
     """Checkpointing, the ring, the tiled MLP, the fused and tiled norms, and LoRA, in that order;
     returns the model.
 
-    ``cp_group``: the CP process group, or the run's layout (``build_hybrid_layout``: with
+    ``cp_group``: the CP process group, or the run's layout (``build_layout``: with
     ``parallel.ulysses_size > 1`` the attention runs Ulysses x ring)."""
     from ringft.model.patch import apply_ring_attention
 

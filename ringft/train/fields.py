@@ -2,7 +2,7 @@
 
 A section is a dataclass deriving from :class:`Section` whose fields are declared with the helpers
 below (``integer(1, lo=1)``, ``number(2e-5, gt=0)``, ``choice("constant", ("constant", "cosine"))``,
-...). ``Section.__post_init__`` checks every field (with :mod:`ringft.ops.values`, the one validator)
+...). ``Section.__post_init__`` checks every field (with :mod:`ringft.utils.values`, the one validator)
 and raises :class:`RecipeError` with one line that names the key, the value and what would be
 accepted, e.g.
 ``train.max_steps must be an integer >= 1, got '20' (a string: write 20 without quotes)``.
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
-from ringft.ops import values
 from ringft.train.errors import RecipeError
+from ringft.utils import values
 
 __all__ = ["Section", "boolean", "choice", "integer", "number", "pair", "text", "text_list"]
 
@@ -76,7 +76,7 @@ def pair(default: tuple[float, float], lo: float, lt: float, doc: str = "") -> A
     return _field(default, partial(_pair, lo=lo, lt=lt), doc)
 
 
-# The checks themselves are ringft.ops.values', raising RecipeError.
+# The checks themselves are ringft.utils.values', raising RecipeError.
 _integer = partial(values.as_integer, error=RecipeError)
 _number = partial(values.as_number, error=RecipeError)
 _bool = partial(values.as_bool, error=RecipeError)

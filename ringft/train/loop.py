@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ringft.data.collator import RingDataCollator
 from ringft.loss import CausalLMLoss, loss_normalization
-from ringft.ops.hybrid_layout import build_hybrid_layout
+from ringft.ops.parallel import build_layout
 from ringft.ops.validate import PeerFailed, run_together
 from ringft.train import checkpoint as ckpt
 from ringft.train.build import (
@@ -139,7 +139,7 @@ class Trainer:
             acc.print(note)
         self.device = acc.device
         p = recipe.parallel
-        self.layout = build_hybrid_layout(p.cp_size, p.ulysses_size, self.device.type)
+        self.layout = build_layout(p.cp_size, p.ulysses_size, self.device.type)
         torch.manual_seed(t.seed)
         self.tokenizer = build_tokenizer(recipe)
         config = model_config(recipe, len(self.tokenizer))

@@ -20,8 +20,7 @@ import yaml
 from ringft.model.families import SUPPORTED_MODEL_TYPES
 from ringft.model.rope import rope_problem
 from ringft.ops.backends import BACKENDS
-from ringft.ops.cp_sharding import ulysses_size_problem
-from ringft.ops.sharding import zigzag_length_problem
+from ringft.ops.sharding import ulysses_size_problem, zigzag_length_problem
 from ringft.ops.ulysses import heads_problem
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list
@@ -63,7 +62,7 @@ class ModelConfig(Section):
     # "keep" | None (no window on any layer) | int: the window of the layers the family windows
     # (Mistral, Phi-3: all; Qwen2/3, Gemma 3: the sliding layers of config.layer_types)
     sliding_window: str | int | None = "keep"
-    attn_backend: str = choice("auto", tuple(BACKENDS))  # auto | torch | flash_attn | reference
+    attn_backend: str = choice("auto", BACKENDS)  # "auto" or a backend's name (ringft.ops.backends)
     dtype: str = choice("bf16", ("bf16", "fp32"))  # weights' dtype
 
     def check(self) -> None:

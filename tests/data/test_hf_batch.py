@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringft import RingDataCollator, zigzag_unshard
+from ringft import RingDataCollator, cp_unshard
 from ringft.data.hf_batch import RING_COUNTS, RING_LABELS, RING_LENGTH, BatchRefused, shard_collated_batch
 
 PAD = 0
@@ -41,7 +41,7 @@ def _right_padded(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _unshard(shards: list[dict], key: str) -> torch.Tensor:
-    return zigzag_unshard([s[key] for s in shards])
+    return cp_unshard([s[key] for s in shards])
 
 
 @pytest.mark.parametrize("cp, ulysses", [(1, 1), (2, 1), (3, 1), (4, 2), (6, 3)])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 
 
 def eval_worker(rank: int, world: int, model: str, out: str, cp: int) -> int:

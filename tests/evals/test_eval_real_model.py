@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.real_model import load_smollm2, smollm2_path
 
 FP32_EPS = torch.finfo(torch.float32).eps

@@ -29,7 +29,7 @@ import math
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.real_model import REAL_TEXT, load_smollm2, smollm2_path
 
 FP32_EPS = torch.finfo(torch.float32).eps

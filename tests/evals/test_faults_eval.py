@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.tiny_models import save_tiny_model
 
 BASE = ["--dtype", "fp32", "--backend", "torch", "--no-progress", "--prompt-style", "ringft"]

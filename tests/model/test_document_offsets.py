@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft import RingDataCollator, apply_ring_attention, zigzag_gather, zigzag_shard
+from ringft import RingDataCollator, apply_ring_attention, cp_gather, cp_shard
 from ringft.model.inputs import VARLEN_KEYS, take_document_offsets
 from ringft.ops.sharding import zigzag_padded_length
-from ringft.ops.spawn import run_distributed
 from ringft.ops.validate import PeerFailed, run_together
+from ringft.utils.spawn import run_distributed
 from tests.tiny_models import VOCAB, fp32_bounds, tiny_model
 
 LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = fp32_bounds(48)  # packed rows of 48 tokens
@@ -55,7 +55,7 @@ def ring_batch(flat: dict, rank: int, world: int) -> dict:
         "shift_labels": shift,
         "seq_idx": torch.cat([flat["seq_idx"], torch.full((1, pad), len(LENGTHS), dtype=torch.int32)], dim=1),
     }
-    local = {k: zigzag_shard(v, rank, world).contiguous() for k, v in full.items()}
+    local = {k: cp_shard(v, rank, world).contiguous() for k, v in full.items()}
     varlen = {k: flat[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
     local["labels"] = local["shift_labels"]
     return {**local, **varlen, "num_items_in_batch": int((shift != -100).sum())}
@@ -87,7 +87,7 @@ def _exactness(rank: int, cp: int, group) -> dict[str, float]:
     out = outputs[0]
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
-    logits = zigzag_gather(out.logits.detach(), group=group)[:, : flat["input_ids"].shape[1]]
+    logits = cp_gather(out.logits.detach(), group=group)[:, : flat["input_ids"].shape[1]]
     errors = {
         "gathers": float(gathers),
         "logits": ((logits - ref_out.logits).abs().max() / ref_out.logits.abs().max()).item(),

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
+from ringft import RingDataCollator, apply_ring_attention, cp_gather
 from ringft.data.packer import pack_rows
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.tiny_models import document_examples, documents_reference, fp32_bounds, tiny_model
 
 SEQ = 48  # packed row length: a multiple of 2N for N = 1..4 (chunks of 24, 12, 8, 6)
@@ -72,7 +72,7 @@ def documents_worker(rank: int, world: int) -> dict[int, dict[str, float]]:
             out.loss.backward()
             loss = out.loss.detach().clone()
             dist.all_reduce(loss, group=group)
-            logits = zigzag_gather(out.logits.detach(), group=group)  # (rows, SEQ, vocab)
+            logits = cp_gather(out.logits.detach(), group=group)  # (rows, SEQ, vocab)
             worst, scale = 0.0, max(x.abs().max().item() for x in ref_logits)
             for row, members in enumerate(rows):
                 at = 0

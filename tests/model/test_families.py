@@ -32,8 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
-from ringft.ops.spawn import run_distributed
+from ringft import RingDataCollator, apply_ring_attention, cp_gather
+from ringft.utils.spawn import run_distributed
 from tests.loss.router_cases import ROUTER_FAMILIES, router_run
 from tests.model.family_models import COMMON, VOCAB, WINDOWED, family_model, windowed_model
 
@@ -262,7 +262,7 @@ def _ring(case: Case, group, rank: int, size: int) -> dict:
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     loss = _ce(logits, batch["shift_labels"], int(batch["num_items_in_batch"]))
     loss.backward()
-    logits = zigzag_gather(logits.detach(), group)
+    logits = cp_gather(logits.detach(), group)
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=group)
     local = _grads(model)

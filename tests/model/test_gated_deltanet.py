@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention, zigzag_gather
+from ringft import RingDataCollator, apply_ring_attention, cp_gather, remove_ring_attention
 from ringft.model.families import check_model
 from ringft.model.gated_deltanet import linear_attention_modules, linear_attention_problem
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.model.hybrid_models import fp64_linear_kernels, hybrid_model
 
 SEQ, EPS32 = 48, torch.finfo(torch.float32).eps
@@ -98,7 +98,7 @@ def _ring(model_type: str, kind: str, group, rank: int, size: int) -> dict:
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **extra).logits
     loss = _ce(logits, batch["shift_labels"], int(batch["num_items_in_batch"]))
     loss.backward()
-    logits = zigzag_gather(logits.detach(), group)
+    logits = cp_gather(logits.detach(), group)
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=group)
     local = _grads(model)

@@ -49,7 +49,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.real_model import gemma3_path, gemma3_tokenizer, load_gemma3
 from tests.real_text import LONG_TEXT
 

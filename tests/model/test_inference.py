@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.oracle import full_attention_fp64
 from tests.tiny_models import VOCAB, tiny_model
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ringft import RingDataCollator, apply_ring_attention
 from ringft.loss import CausalLMLoss
 from ringft.model.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, is_tiled_mlp, mlp_modules
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.tiny_models import VOCAB, ragged_examples, saved_bytes, tiny_model
 
 EPS32 = torch.finfo(torch.float32).eps

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft import RingDataCollator, apply_ring_attention, remove_ring_attention, zigzag_gather
-from ringft.ops.spawn import run_distributed
+from ringft import RingDataCollator, apply_ring_attention, cp_gather, remove_ring_attention
+from ringft.utils.spawn import run_distributed
 from tests.model.attention_checkpoint_checks import attention_checkpoint_differences, check_differences
 from tests.tiny_models import VOCAB, compare_with_reference, ragged_examples, tiny_model
 
@@ -109,7 +109,7 @@ def _autocast_errors(collator, group) -> dict[str, float]:
     sdpa.set_attn_implementation("sdpa")
     model = apply_ring_attention(copy.deepcopy(ref), group)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ring_logits = zigzag_gather(model(**batch).logits.detach(), group).float()
+        ring_logits = cp_gather(model(**batch).logits.detach(), group).float()
         sdpa_logits = sdpa(input_ids=full["input_ids"]).logits.detach().float()
     with torch.no_grad():
         exact = ref(input_ids=full["input_ids"]).logits
@@ -272,7 +272,7 @@ def test_apply_is_idempotent_and_reversible():
 
 
 def test_collator_shifts_before_sharding():
-    from ringft import zigzag_unshard
+    from ringft import cp_unshard
 
     world = 3
     examples = ragged_examples(2, lengths=(23, 7))
@@ -281,9 +281,9 @@ def test_collator_shifts_before_sharding():
     ]
     seq = batches[0]["input_ids"].shape[1] * world
     assert seq % 12 == 0 and seq >= 23  # multiple of lcm(2 * 3, 4), covers the longest example
-    ids = zigzag_unshard([b["input_ids"] for b in batches])
-    labels = zigzag_unshard([b["labels"] for b in batches])
-    pos = zigzag_unshard([b["position_ids"] for b in batches])
+    ids = cp_unshard([b["input_ids"] for b in batches])
+    labels = cp_unshard([b["labels"] for b in batches])
+    pos = cp_unshard([b["position_ids"] for b in batches])
     assert torch.equal(pos[0], torch.arange(seq))
     for row, ex in enumerate(examples):
         n = len(ex["input_ids"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.real_model import REAL_TEXT, load_smollm2
 
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -76,13 +76,13 @@ def _ring_logits(model, text_ids: list[int], pad: int, group) -> torch.Tensor:
     gathered on every rank of it."""
     import torch.distributed as dist
 
-    from ringft import RingDataCollator, zigzag_gather
+    from ringft import RingDataCollator, cp_gather
 
     collator = RingDataCollator(dist.get_rank(group), dist.get_world_size(group), pad_token_id=pad)
     batch = collator([{"input_ids": text_ids}])
     with torch.no_grad():
         local = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    return zigzag_gather(local, group)[0, : len(text_ids)]
+    return cp_gather(local, group)[0, : len(text_ids)]
 
 
 def ring_worker(rank: int, world: int) -> dict:

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ringft import RingDataCollator, apply_ring_attention, cp_gather, ring_spec
-from ringft.ops.hybrid_layout import HybridGroups, build_hybrid_layout
-from ringft.ops.sharding import zigzag_shard
-from ringft.ops.spawn import run_distributed
+from ringft.ops.parallel import ParallelLayout, build_layout
+from ringft.ops.sharding import cp_shard
+from ringft.utils.spawn import run_distributed
 from tests.model.attention_checkpoint_checks import attention_checkpoint_differences, check_differences
 from tests.tiny_models import VOCAB, fp32_bounds, ragged_examples, tiny_model
 
@@ -54,10 +54,10 @@ def _model(hq: int, hkv: int, head_dim: int):
 def _target(world: int, cp: int, u: int):
     """``(what apply_ring_attention gets, CP group, CP rank)`` of this rank (None off the CP group).
 
-    CP sizes dividing the world use ``build_hybrid_layout``; CP 3 on ranks 0-2 builds its groups by
+    CP sizes dividing the world use ``build_layout``; CP 3 on ranks 0-2 builds its groups by
     hand (every rank creates every group, in the same order)."""
     if world % cp == 0:
-        layout = build_hybrid_layout(cp, u)
+        layout = build_layout(cp, u)
         return layout, layout.cp_group, layout.cp_rank
     cp_group = dist.new_group(list(range(cp)))
     uly = [dist.new_group([p * u + x for x in range(u)]) for p in range(cp // u)]
@@ -66,7 +66,7 @@ def _target(world: int, cp: int, u: int):
     if rank >= cp:
         return None, None, None
     p, x = divmod(rank, u)
-    return (HybridGroups(uly[p], ring[x], cp_group) if u > 1 else cp_group), cp_group, rank
+    return (ParallelLayout.from_groups(cp_group, uly[p], ring[x]) if u > 1 else cp_group), cp_group, rank
 
 
 def _errors(model, ref, batch, full, group, u: int) -> dict[str, float]:
@@ -172,12 +172,12 @@ def worker(rank: int, world: int) -> dict:
         collator = RingDataCollator(cp_rank, cp, pad_token_id=0, ulysses_size=u)
         batch, full = collator(examples), collator.global_batch(examples)
         if u == 1:  # the plain ring: today's operator and today's zigzag shards, exactly
-            zigzag = {k: zigzag_shard(full[k], cp_rank, cp) for k in ("input_ids", "position_ids")}
+            zigzag = {k: cp_shard(full[k], cp_rank, cp) for k in ("input_ids", "position_ids")}
             out["seen"][f"{cp}x1/same shards"] = all(torch.equal(batch[k], v) for k, v in zigzag.items())
         for hq, hkv, hd in HEADS[u]:
             ref = _model(hq, hkv, hd)
             model = apply_ring_attention(copy.deepcopy(ref), target)
-            out["seen"][f"{cp}x{u}/spec"] = (ring_spec(model).ulysses_size, ring_spec(model).groups is None)
+            out["seen"][f"{cp}x{u}/spec"] = (ring_spec(model).ulysses_size, ring_spec(model).layout is None)
             tag = f"{cp}x{u}/{hq}q{hkv}kv"
             errors, warnings = _with_warnings(_errors, model, ref, batch, full, group, u)
             out["errors"].update({f"{tag}/{k}": v for k, v in errors.items()})

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringft import RingDataCollator, apply_ring_attention, zigzag_gather
-from ringft.ops.spawn import run_distributed
+from ringft import RingDataCollator, apply_ring_attention, cp_gather
+from ringft.utils.spawn import run_distributed
 from tests.ops.window_checks import ULYSSES_REL, check_window_results, ulysses_window_worker, window_worker
 from tests.tiny_models import (
     VOCAB,
@@ -70,7 +70,7 @@ def _documents_errors(rank: int, world: int, window: int, group) -> dict[str, fl
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
-    logits = zigzag_gather(out.logits.detach(), group=group)
+    logits = cp_gather(out.logits.detach(), group=group)
     worst, scale = 0.0, max(x.abs().max().item() for x in ref_logits)
     for row, members in enumerate(collator.last_rows):
         at = 0

@@ -13,8 +13,8 @@ import torch
 
 from ringft.ops import zigzag_ring_attention
 from ringft.ops.documents import cu_seqlens_from_position_ids, document_plan
-from ringft.ops.sharding import zigzag_shard
-from ringft.ops.spawn import run_distributed
+from ringft.ops.sharding import cp_shard
+from ringft.utils.spawn import run_distributed
 from tests.oracle import per_document_attention_fp64
 
 SEQ = 48  # a multiple of 2N for N = 1..4; chunks of 24, 12, 8, 6 tokens
@@ -65,7 +65,7 @@ def test_plans_match_brute_force_masks():
                 m = rng.randint(0, min(seq - 1, 8))
                 cu = [0, *sorted(rng.sample(range(1, seq), m)), seq]
                 doc = [max(i for i, x in enumerate(cu[:-1]) if x <= g) for g in range(seq)]
-                pos = [zigzag_shard(torch.arange(seq), r, n, dim=0).tolist() for r in range(n)]
+                pos = [cp_shard(torch.arange(seq), r, n, dim=0).tolist() for r in range(n)]
                 for rank in range(n):
                     row = document_plan([cu], seq, rank, n).rows[0]
                     d = row.diagonal
@@ -177,14 +177,14 @@ def documents_worker(rank: int, world: int) -> dict[int, list[tuple[str, float]]
             q, k, v, dout = _inputs(100 + i, hq=hq, hkv=hkv)
             ref = _oracle(q, k, v, dout, cu)
             for n in errors:
-                shard = lambda t, n=n: zigzag_shard(t, rank, n).detach().clone()  # noqa: E731
+                shard = lambda t, n=n: cp_shard(t, rank, n).detach().clone()  # noqa: E731
                 ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
                 out, lse = zigzag_ring_attention(
                     ql, kl, vl, backend="torch", return_lse=True, cu_seqlens=cu, group=groups[n]
                 )
                 out.backward(shard(dout))
                 got = (out, lse, ql.grad, kl.grad, vl.grad)
-                want = (shard(ref[0]), zigzag_shard(ref[1], rank, n, dim=2), *(shard(g) for g in ref[2:]))
+                want = (shard(ref[0]), cp_shard(ref[1], rank, n, dim=2), *(shard(g) for g in ref[2:]))
                 for what, g, r in zip("o l dq dk dv".split(), got, want):
                     errors[n].append((f"{name} {hq}/{hkv} {what}", _rel(g, r)))
     return errors

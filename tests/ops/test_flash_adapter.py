@@ -185,7 +185,7 @@ def test_flash_varlen_in_document_schedule(version):
     steps) inside the emulated 3-rank ring, against each document run separately."""
     from ringft.ops.documents import document_plan
     from ringft.ops.emulate import run_schedule
-    from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+    from ringft.ops.sharding import cp_shard, cp_unshard
     from tests.oracle import per_document_attention_fp64
 
     calls: list = []
@@ -194,18 +194,18 @@ def test_flash_varlen_in_document_schedule(version):
     gen = torch.Generator().manual_seed(1)
     q, dout = (torch.randn(2, seq, 4, 20, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, seq, 2, 20, generator=gen, dtype=torch.float64) for _ in range(2))
-    shards = [[zigzag_shard(t, r, n) for r in range(n)] for t in (q, k, v, dout)]
+    shards = [[cp_shard(t, r, n) for r in range(n)] for t in (q, k, v, dout)]
     plans = [document_plan(cu, seq, r, n) for r in range(n)]
     outs, lses, dqs, dkvs = run_schedule(backend, *shards, causal=True, softmax_scale=20**-0.5, plans=plans)
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = per_document_attention_fp64(qd, kd, vd, cu)
     ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), dout)
     got = (
-        zigzag_unshard([outs[r] for r in range(n)]),
-        zigzag_unshard([lses[r] for r in range(n)], dim=2),
-        zigzag_unshard([dqs[r] for r in range(n)]),
-        zigzag_unshard([g[0] for g in dkvs]),
-        zigzag_unshard([g[1] for g in dkvs]),
+        cp_unshard([outs[r] for r in range(n)]),
+        cp_unshard([lses[r] for r in range(n)], dim=2),
+        cp_unshard([dqs[r] for r in range(n)]),
+        cp_unshard([g[0] for g in dkvs]),
+        cp_unshard([g[1] for g in dkvs]),
     )
     for g, want in zip(got, (ref_out, ref_lse, *ref_grads)):
         torch.testing.assert_close(g.double(), want.detach(), rtol=1e-6, atol=1e-6)

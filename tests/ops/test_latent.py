@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from ringft.utils.spawn import run_distributed
 
 from ringft.ops import zigzag_ring_attention
-from ringft.ops.sharding import zigzag_shard
-from ringft.ops.spawn import run_distributed
+from ringft.ops.sharding import cp_shard
 from tests.oracle import full_attention_fp64, per_document_attention_fp64
 
 BOUND = 64 * torch.finfo(torch.float64).eps
@@ -71,11 +71,11 @@ def latent_worker(rank: int, world: int) -> list[tuple]:
         if rank >= size:
             continue
         for (dqk, dv), docs in [(shape, docs) for shape in SHAPES for docs in (None, DOCS)]:
-            q, k, v, dout = (zigzag_shard(x, rank, size).requires_grad_() for x in _inputs(dqk, dv))
+            q, k, v, dout = (cp_shard(x, rank, size).requires_grad_() for x in _inputs(dqk, dv))
             sent.clear()
             out = zigzag_ring_attention(q, k, v, group=group, backend="torch", cu_seqlens=docs)
             got = [out.detach(), *torch.autograd.grad(out, (q, k, v), dout.detach())]
-            want = [zigzag_shard(w, rank, size) for w in _oracle(dqk, dv, docs is not None)]
+            want = [cp_shard(w, rank, size) for w in _oracle(dqk, dv, docs is not None)]
             full = _oracle(dqk, dv, docs is not None)
             errors = [((a - b).abs().max() / f.abs().max()).item() for a, b, f in zip(got, want, full)]
             results.append((size, dqk, docs is not None, errors, list(sent), k.numel() + v.numel()))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ringft.ops.linear_scan import chunk_halos, conv_reach, conv_tails, emulate_gated_delta_rule, halo_conv
-from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+from ringft.ops.sharding import cp_shard, cp_unshard
 from tests.model.hybrid_models import fp64_linear_kernels, kernels
 
 SEQ, KH, VH, KD, VD = 48, 2, 4, 4, 3
@@ -100,11 +100,11 @@ def test_halo_conv_matches_one_convolution():
     )
     for offsets, want in ((None, whole), (DOCS, alone)):
         for size in (1, 2, 3, 4):
-            shards = [zigzag_shard(x, r, size, dim=2) for r in range(size)]
+            shards = [cp_shard(x, r, size, dim=2) for r in range(size)]
             tails = torch.stack([conv_tails(s, 4) for s in shards])
             outs = [
                 halo_conv(s, chunk_halos(tails, r), weight, bias, conv_reach(offsets, SEQ, r, size, 4))
                 for r, s in enumerate(shards)
             ]
-            got = zigzag_unshard(outs, dim=2)
+            got = cp_unshard(outs, dim=2)
             assert (got - want).abs().max() < 1e-13, (size, offsets is not None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringft import zigzag_ring_attention
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 
 
 def _qkv(seq=8, hq=4, hkv=2, dim=16, dtype=torch.float32):

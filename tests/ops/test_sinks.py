@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ringft.ops import zigzag_ring_attention
-from ringft.ops.sharding import zigzag_shard, zigzag_unshard
-from ringft.ops.spawn import run_distributed
+from ringft.ops.sharding import cp_shard, cp_unshard
+from ringft.utils.spawn import run_distributed
 from tests.oracle import sink_attention_fp64
 
 BOUND = 64 * torch.finfo(torch.float64).eps
@@ -42,17 +42,17 @@ def _oracle(case, seed):
 
 def _ring(case, seed, group, rank, size):
     q, k, v, sinks, dout = _inputs(seed)
-    local = [zigzag_shard(t, rank, size).requires_grad_() for t in (q, k, v)]
+    local = [cp_shard(t, rank, size).requires_grad_() for t in (q, k, v)]
     sinks.requires_grad_()
     out = zigzag_ring_attention(
         *local, group=group, backend="reference", sliding_window=case[0], cu_seqlens=case[1], sinks=sinks
     )
-    out.backward(zigzag_shard(dout, rank, size))
+    out.backward(cp_shard(dout, rank, size))
     gathered = []
     for t in (out.detach(), *(x.grad for x in local)):
         parts = [torch.empty_like(t) for _ in range(size)]
         dist.all_gather(parts, t.contiguous(), group=group)
-        gathered.append(zigzag_unshard(parts))
+        gathered.append(cp_unshard(parts))
     dist.all_reduce(sinks.grad, group=group)  # each rank holds the sum over its rows
     return gathered[0], [*gathered[1:], sinks.grad]
 

@@ -24,9 +24,9 @@ import io
 import pytest
 import torch
 
-from ringft.ops.cp_sharding import cp_shard, cp_unshard
-from ringft.ops.spawn import run_distributed
+from ringft.ops.sharding import cp_shard, cp_unshard
 from ringft.ops.ulysses import kv_replication, ulysses_ring_attention
+from ringft.utils.spawn import run_distributed
 from tests.oracle import full_attention_fp64, per_document_attention_fp64, windowed_attention_fp64
 
 SEQ, DIM, BATCH = 24, 16, 2  # SEQ: a multiple of 2 * cp for cp = 2, 3, 4, 6
@@ -78,11 +78,11 @@ def _call(q, k, v, mode, **kw):
 
 
 def _groups_on_first_ranks(cp: int, u: int):
-    """``(HybridGroups, cp group)`` of a CP group on ranks ``0..cp-1`` of a larger world (``None`` on
+    """``(ParallelLayout, cp group)`` of a CP group on ranks ``0..cp-1`` of a larger world (``None`` on
     the other ranks), built by hand: every rank creates every group, in the same order."""
     import torch.distributed as dist
 
-    from ringft.ops.hybrid_layout import HybridGroups
+    from ringft.ops.parallel import ParallelLayout
 
     cp_group = dist.new_group(list(range(cp)))
     uly = [dist.new_group([p * u + x for x in range(u)]) for p in range(cp // u)]
@@ -90,16 +90,16 @@ def _groups_on_first_ranks(cp: int, u: int):
     if dist.get_rank() >= cp:
         return None, None
     p, x = divmod(dist.get_rank(), u)
-    return HybridGroups(uly[p], ring[x], cp_group), cp_group
+    return ParallelLayout.from_groups(cp_group, uly[p], ring[x]), cp_group
 
 
 def _layouts(world: int, cp: int, u: int):
     """``(groups, cp_group, cp_rank, dp_rank)`` of this rank for a ``cp`` x ``dp`` layout."""
-    from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.parallel import build_layout
 
     if world % cp == 0:
-        layout = build_hybrid_layout(cp, u)
-        return layout.groups, layout.cp_group, layout.cp_rank, layout.dp_rank
+        layout = build_layout(cp, u)
+        return layout, layout.cp_group, layout.cp_rank, layout.dp_rank
     groups, cp_group = _groups_on_first_ranks(cp, u)
     rank = torch.distributed.get_rank()
     return (groups, cp_group, rank, 0) if groups is not None else (None, None, None, None)
@@ -143,21 +143,21 @@ def _alltoall_cases(rank: int, world: int) -> list[str]:
     and fp64, fp32, bf16, fp16 (integer-valued data), with non-contiguous incoming gradients.
     Returns the failures (empty when all is well)."""
     from ringft.ops.alltoall import heads_to_seq, seq_to_heads
-    from ringft.ops.cp_sharding import cp_position_ids
-    from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.parallel import build_layout
+    from ringft.ops.sharding import cp_position_ids
 
     failures = []
     for u in (2, 3, 6):
-        layout = build_hybrid_layout(world, u)
-        g, h = layout.groups, 12 // u  # 12 heads, h per rank after the exchange
+        layout = build_layout(world, u)
+        g, h = layout, 12 // u  # 12 heads, h per rank after the exchange
         ring_shard = torch.cat([cp_position_ids(SEQ, layout.ring_rank * u + j, world, u) for j in range(u)])
         heads = slice(layout.ulysses_rank * h, (layout.ulysses_rank + 1) * h)
         for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             x = torch.arange(BATCH * SEQ * 12 * 4).view(BATCH, SEQ, 12, 4).remainder(251).to(dtype)
             grad = -x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
             mine = cp_shard(x, rank, world, u).clone().requires_grad_()
-            (y,) = seq_to_heads(mine, group=g.ulysses)
-            (back,) = heads_to_seq(y, group=g.ulysses)
+            (y,) = seq_to_heads(mine, group=g.ulysses_group)
+            (back,) = heads_to_seq(y, group=g.ulysses_group)
             (y * grad[:, ring_shard, heads]).sum().backward()
             checks = {
                 "to heads": torch.equal(y, x[:, ring_shard, heads]),
@@ -179,10 +179,11 @@ def _raises(fn, *args, **kwargs) -> str:
 def _error_cases(rank: int, world: int) -> dict[str, str]:
     """Bad inputs on a cp = 6 = ulysses 2 x ring 3 layout: each case's message on this rank."""
     from ringft.ops.documents import document_plan
-    from ringft.ops.hybrid_layout import HybridGroups, build_hybrid_layout
+    from ringft.ops.parallel import ParallelLayout, build_layout
 
-    layout = build_hybrid_layout(world, 2)
-    g = layout.groups
+    layout = build_layout(world, 2)
+    g = layout
+    wrong = ParallelLayout.from_groups(g.cp_group, g.ulysses_group, g.cp_group)  # ring = the CP group
     qkv = lambda s=4, hq=4, hkv=2: [torch.randn(1, s, h, DIM) for h in (hq, hkv, hkv)]  # noqa: E731
     plan = document_plan(DOCS[:1], 4 * world, rank, world)  # built for the CP rank, not the ring rank
     seen = {
@@ -190,11 +191,11 @@ def _error_cases(rank: int, world: int) -> dict[str, str]:
         "heads_one_rank": _raises(ulysses_ring_attention, *qkv(hq=3 if rank == 0 else 4, hkv=1), groups=g),
         "odd_seq": _raises(ulysses_ring_attention, *qkv(s=3), groups=g),
         "seq_differs": _raises(ulysses_ring_attention, *qkv(s=4 if rank else 6), groups=g),
-        "layout": _raises(ulysses_ring_attention, *qkv(), groups=HybridGroups(g.ulysses, g.cp, g.cp)),
+        "layout": _raises(ulysses_ring_attention, *qkv(), groups=wrong),
         "docs_differ": _raises(ulysses_ring_attention, *qkv(), groups=g, cu_seqlens=[[0, 3 + rank, 24]]),
         "docs_plan": _raises(ulysses_ring_attention, *qkv(), groups=g, cu_seqlens=plan),
-        "ulysses_not_dividing": _raises(build_hybrid_layout, world, 4),
-        "cp_not_dividing": _raises(build_hybrid_layout, 4, 2),
+        "ulysses_not_dividing": _raises(build_layout, world, 4),
+        "cp_not_dividing": _raises(build_layout, 4, 2),
         "shard_seq": _raises(cp_shard, torch.zeros(1, 18), 0, 6, 2),
     }
     # The groups are still usable: a good call runs on every rank.

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from ringft.ops.cp_sharding import (
+from ringft.ops.sharding import (
     cp_coordinates,
     cp_position_ids,
     cp_shard,
     cp_unshard,
     ulysses_size_problem,
+    zigzag_length_problem,
 )
-from ringft.ops.sharding import zigzag_length_problem, zigzag_position_ids, zigzag_shard, zigzag_unshard
 from ringft.ops.ulysses import heads_problem, kv_replication, ulysses_sizes_that_work
 
 LAYOUTS = [(cp, u) for cp in (1, 2, 3, 4, 6, 8) for u in range(1, cp + 1) if cp % u == 0]
@@ -35,19 +35,22 @@ def test_round_trip_and_ownership(cp, u):
         p, piece = cp_coordinates(c, cp, u)
         assert c == p * u + piece
         # piece `piece` of ring rank p's zigzag shard (chunks p and 2R-1-p of 2R)
-        ring_shard = zigzag_position_ids(seq, p, ring)
+        ring_shard = cp_position_ids(seq, p, ring)
         assert torch.equal(pos[c], ring_shard.chunk(u)[piece])
         assert torch.equal(shards[c][0, :, 0], x[0, pos[c], 0])
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
 def test_ulysses_one_is_zigzag(cp):
+    """With ulysses_size 1 (the default), CP rank c holds chunks c and 2cp-1-c of 2cp."""
     x = torch.randn(2, 4 * cp, 3, 2)
+    chunks = x.chunk(2 * cp, dim=1)
     for c in range(cp):
-        assert torch.equal(cp_shard(x, c, cp, 1), zigzag_shard(x, c, cp))
-        assert torch.equal(cp_position_ids(4 * cp, c, cp, 1), zigzag_position_ids(4 * cp, c, cp))
-    shards = [zigzag_shard(x, c, cp) for c in range(cp)]
-    assert torch.equal(cp_unshard(shards, 1), zigzag_unshard(shards))
+        want = torch.cat([chunks[c], chunks[2 * cp - 1 - c]], dim=1)
+        assert torch.equal(cp_shard(x, c, cp, 1), want) and torch.equal(cp_shard(x, c, cp), want)
+        assert torch.equal(cp_position_ids(4 * cp, c, cp), cp_shard(torch.arange(4 * cp), c, cp, dim=0))
+    shards = [cp_shard(x, c, cp) for c in range(cp)]
+    assert torch.equal(cp_unshard(shards, 1), x) and torch.equal(cp_unshard(shards), x)
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])

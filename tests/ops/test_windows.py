@@ -26,7 +26,7 @@ import torch
 from ringft.ops.band import Band, band_pairs, square_pieces, strip_runs, trim_band
 from ringft.ops.emulate import run_schedule
 from ringft.ops.flash_window import flash_window_calls
-from ringft.ops.sharding import zigzag_shard, zigzag_unshard
+from ringft.ops.sharding import cp_shard, cp_unshard
 from ringft.ops.windows import chunks_meet, window_plan
 from tests.ops.flash_stubs import flash_visible, make_stub
 from tests.ops.window_checks import DIM, DOCS, FP32_REL, inputs, oracle, rel, windows
@@ -43,7 +43,7 @@ def test_plan_matches_brute_force():
     for n in (1, 2, 3, 4, 5):
         for c in (1, 3, 4):
             seq = 2 * n * c
-            pos = [zigzag_shard(torch.arange(seq), r, n, dim=0).tolist() for r in range(n)]
+            pos = [cp_shard(torch.arange(seq), r, n, dim=0).tolist() for r in range(n)]
             for w in range(1, seq + 1):
                 plan = window_plan(seq, n, w)
                 far = 0
@@ -134,17 +134,17 @@ def test_band_covers_are_exact():
 
 
 def _emulate(kernel, q, k, v, dout, n, window, cu):
-    shard = lambda t: [zigzag_shard(t, r, n).contiguous() for r in range(n)]  # noqa: E731
+    shard = lambda t: [cp_shard(t, r, n).contiguous() for r in range(n)]  # noqa: E731
     outs, lses, dqs, dkvs = run_schedule(
         kernel, shard(q), shard(k), shard(v), shard(dout), causal=True, softmax_scale=DIM**-0.5,
         sliding_window=window, cu_seqlens=cu,
     )  # fmt: skip
     return (
-        zigzag_unshard([outs[r] for r in range(n)]),
-        zigzag_unshard([lses[r] for r in range(n)], dim=2),
-        zigzag_unshard([dqs[r] for r in range(n)]),
-        zigzag_unshard([g[0] for g in dkvs]),
-        zigzag_unshard([g[1] for g in dkvs]),
+        cp_unshard([outs[r] for r in range(n)]),
+        cp_unshard([lses[r] for r in range(n)], dim=2),
+        cp_unshard([dqs[r] for r in range(n)]),
+        cp_unshard([g[0] for g in dkvs]),
+        cp_unshard([g[1] for g in dkvs]),
     )
 
 
@@ -237,7 +237,7 @@ def test_outside_blocks_are_never_computed():
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, seq, 2, 8, generator=gen)
     k, v = torch.randn(1, seq, 1, 8, generator=gen), torch.randn(1, seq, 1, 8, generator=gen)
-    shard = lambda t: [zigzag_shard(t, r, n).contiguous() for r in range(n)]  # noqa: E731
+    shard = lambda t: [cp_shard(t, r, n).contiguous() for r in range(n)]  # noqa: E731
     run_schedule(
         Counting(), shard(q), shard(k), shard(v), None, causal=True, softmax_scale=0.3, sliding_window=w
     )

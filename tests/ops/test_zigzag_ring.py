@@ -20,8 +20,8 @@ import itertools
 import pytest
 import torch
 
-from ringft import zigzag_position_ids, zigzag_ring_attention, zigzag_shard, zigzag_unshard
-from ringft.ops.spawn import run_distributed
+from ringft import cp_position_ids, cp_shard, cp_unshard, zigzag_ring_attention
+from ringft.utils.spawn import run_distributed
 from tests.oracle import full_attention_fp64
 
 HEADS = [(4, 4), (4, 2), (8, 2), (4, 1)]  # GQA ratios 1, 2, 4 and MQA
@@ -72,7 +72,7 @@ def ring_vs_oracle_worker(rank: int, world: int) -> dict[tuple[str, int], list[d
         for backend, n in runs:
             if rank >= n:
                 continue
-            shard = lambda t, n=n: zigzag_shard(t, rank, n).detach().clone()  # noqa: E731
+            shard = lambda t, n=n: cp_shard(t, rank, n).detach().clone()  # noqa: E731
             ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
             out, lse = zigzag_ring_attention(
                 ql, kl, vl, causal=causal, backend=backend, group=groups[n], return_lse=True
@@ -82,7 +82,7 @@ def ring_vs_oracle_worker(rank: int, world: int) -> dict[tuple[str, int], list[d
             out.backward(shard(dout))
             errs = {
                 "out": _rel_err(out, shard(ref[0])),
-                "lse": _rel_err(lse, zigzag_shard(ref[1], rank, n, dim=2)),
+                "lse": _rel_err(lse, cp_shard(ref[1], rank, n, dim=2)),
                 "dq": _rel_err(ql.grad, shard(ref[2])),
                 "dk": _rel_err(kl.grad, shard(ref[3])),
                 "dv": _rel_err(vl.grad, shard(ref[4])),
@@ -121,15 +121,15 @@ def _tiled_ring_errors(rank: int, n: int, group) -> list[float]:
         ref = _oracle_with_grads(q, k, v, dout, causal)
         results = []
         for tile in (None, 5):
-            ql, kl, vl = (zigzag_shard(t, rank, n).detach().clone().requires_grad_() for t in (q, k, v))
+            ql, kl, vl = (cp_shard(t, rank, n).detach().clone().requires_grad_() for t in (q, k, v))
             out, lse = zigzag_ring_attention(
                 ql, kl, vl, causal=causal, backend="torch", group=group, return_lse=True,
                 attention_tile_tokens=tile,
             )  # fmt: skip
-            out.backward(zigzag_shard(dout, rank, n))
+            out.backward(cp_shard(dout, rank, n))
             results.append((out, lse, ql.grad, kl.grad, vl.grad))
-        shards = [zigzag_shard(ref[0], rank, n), zigzag_shard(ref[1], rank, n, dim=2)]
-        shards += [zigzag_shard(g, rank, n) for g in ref[2:]]
+        shards = [cp_shard(ref[0], rank, n), cp_shard(ref[1], rank, n, dim=2)]
+        shards += [cp_shard(g, rank, n) for g in ref[2:]]
         errors += [_rel_err(t, u.double()) for t, u in zip(results[1], results[0])]
         errors += [_rel_err(t, r) for t, r in zip(results[1], shards)]
     return errors
@@ -189,10 +189,10 @@ def test_single_process_without_distributed():
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_shard_round_trip(world):
     x = torch.arange(2 * 4 * world * 3 * 5).view(2, 4 * world * 3, 5)
-    shards = [zigzag_shard(x, r, world) for r in range(world)]
+    shards = [cp_shard(x, r, world) for r in range(world)]
     assert all(s.shape == (2, 4 * 3, 5) for s in shards)
-    assert torch.equal(zigzag_unshard(shards), x)
-    pos = [zigzag_position_ids(x.shape[1], r, world) for r in range(world)]
+    assert torch.equal(cp_unshard(shards), x)
+    pos = [cp_position_ids(x.shape[1], r, world) for r in range(world)]
     assert torch.equal(torch.sort(torch.cat(pos)).values, torch.arange(x.shape[1]))
     # Each rank's positions are increasing (so the local diagonal block is plainly causal).
     assert all(torch.all(p[1:] > p[:-1]) for p in pos)
@@ -203,7 +203,7 @@ def test_shard_round_trip(world):
 
 def test_shard_rejects_indivisible_length():
     with pytest.raises(ValueError, match="not divisible by 2 \\* cp_size"):
-        zigzag_shard(torch.zeros(1, 10), 0, 3)
+        cp_shard(torch.zeros(1, 10), 0, 3)
 
 
 @pytest.mark.numerics

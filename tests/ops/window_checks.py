@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ringft.ops import zigzag_ring_attention
-from ringft.ops.sharding import zigzag_shard
+from ringft.ops.sharding import cp_shard
 from ringft.ops.windows import window_plan
 from tests.oracle import windowed_attention_fp64
 
@@ -65,7 +65,7 @@ def window_worker(rank: int, world: int, group=None, single=None) -> dict:
         configs += [("torch", 4, 1, torch.bfloat16, w, None if i % 2 else DOCS)]
         if i in (0, 3):
             configs += [("reference", 4, 2, torch.float32, w, DOCS)]
-    shard = lambda t: zigzag_shard(t, rank, world).detach().clone()  # noqa: E731
+    shard = lambda t: cp_shard(t, rank, world).detach().clone()  # noqa: E731
     for i, (backend, hq, hkv, dtype, w, cu) in enumerate(configs):
         q, k, v, dout = inputs(100 * world + i, hq=hq, hkv=hkv, dtype=dtype)
         ref = oracle(q, k, v, dout, w, cu)
@@ -77,7 +77,7 @@ def window_worker(rank: int, world: int, group=None, single=None) -> dict:
         forward_sent = list(sent)
         out.backward(shard(dout))
         got = (out, lse, ql.grad, kl.grad, vl.grad)
-        want = (shard(ref[0]), zigzag_shard(ref[1], rank, world, dim=2), *(shard(g) for g in ref[2:]))
+        want = (shard(ref[0]), cp_shard(ref[1], rank, world, dim=2), *(shard(g) for g in ref[2:]))
         errors = [rel(g, r) for g, r in zip(got, want)]
         base = None
         if dtype == torch.bfloat16:
@@ -149,11 +149,11 @@ def ulysses_window_worker(rank: int, world: int, ulysses: int = 2) -> dict[str, 
     """Windows (shorter than, straddling and longer than a ring chunk; with and without packed
     documents) through ``ulysses_ring_attention`` on ``ulysses x (world / ulysses)``: this rank's
     largest error of out, lse, dq, dk, dv against the fp64 windowed oracle, per window."""
-    from ringft.ops.cp_sharding import cp_shard
-    from ringft.ops.hybrid_layout import build_hybrid_layout
+    from ringft.ops.parallel import build_layout
+    from ringft.ops.sharding import cp_shard
     from ringft.ops.ulysses import ulysses_ring_attention
 
-    layout = build_hybrid_layout(world, ulysses)
+    layout = build_layout(world, ulysses)
 
     def shard(t, dim=1):
         return cp_shard(t, layout.cp_rank, world, ulysses, dim=dim).detach().clone()
@@ -164,7 +164,7 @@ def ulysses_window_worker(rank: int, world: int, ulysses: int = 2) -> dict[str, 
         ref = oracle(q, k, v, dout, w, cu)
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
         out, lse = ulysses_ring_attention(
-            ql, kl, vl, groups=layout.groups, backend="torch", return_lse=True, cu_seqlens=cu,
+            ql, kl, vl, groups=layout, backend="torch", return_lse=True, cu_seqlens=cu,
             sliding_window=w,
         )  # fmt: skip
         out.backward(shard(dout))

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ringft.ops.spawn import run_distributed
 from ringft.train.recipe import RecipeError, load_recipe, validate
+from ringft.utils.spawn import run_distributed
 from tests.recipes.shell_stubs import check_command, run_script, scratch_root, script_namespace
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.train.hf_runs import phased_worker, spec, tiny_model_dir, zero3_argv
 
 REPO = Path(__file__).resolve().parents[2]

@@ -33,7 +33,7 @@ import pytest
 import torch
 import yaml
 
-from ringft.ops.spawn import free_port, run_distributed
+from ringft.utils.spawn import free_port, run_distributed
 from tests.tiny_training import (
     LOSS_RTOL,
     RUN_TIMEOUT,

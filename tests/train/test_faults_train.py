@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 from tests.tiny_training import tiny_recipe
 from tests.workers import fresh_group, one_thread
 

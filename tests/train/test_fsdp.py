@@ -30,7 +30,7 @@ import copy
 import pytest
 import torch
 
-from ringft.ops.spawn import run_distributed
+from ringft.utils.spawn import run_distributed
 
 SEQ, VOCAB, HIDDEN, INTERMEDIATE = 48, 300, 32, 64
 TOKENS = 4 * SEQ  # the global batch: 2 ranks x 2 micro-steps x 1 sequence

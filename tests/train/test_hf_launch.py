@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 
-from ringft.ops.spawn import free_port
+from ringft.utils.spawn import free_port
 from tests.train.hf_runs import LOSS_RTOL, UPDATE_RTOL, assert_updates_close, zero3_argv
 from tests.train.launch_env import launch_env
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ringft.model.families import SUPPORTED_MODEL_TYPES, layer_windows
-from ringft.ops.spawn import run_distributed
 from ringft.train.build import model_config, prepare_for_training
 from ringft.train.recipe import MODEL_TYPES, RecipeError, recipe_from_dict
+from ringft.utils.spawn import run_distributed
 from tests.tiny_training import (
     LOSS_RTOL,
     RUN_TIMEOUT,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ringft.ops.parallel import ParallelLayout
-from ringft.ops.spawn import run_distributed
 from ringft.train.recipe import RecipeError, recipe_from_dict
+from ringft.utils.spawn import run_distributed
 from tests.tiny_training import (
     EPS32,
     LOSS_RTOL,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ringft.ops.spawn import free_port, run_distributed
+from ringft.utils.spawn import free_port, run_distributed
 from tests.train.hf_runs import EPS32
 from tests.train.launch_env import launch_env
 

@@ -342,7 +342,7 @@ def spawn_plans(
 ) -> dict[str, dict]:
     """Every plan's runs in one 4-rank spawn (the references spread over the ranks): ``name`` ->
     rank 0's result (a reference's: its rank's), ``name@r`` -> rank r's ring result."""
-    from ringft.ops.spawn import run_distributed
+    from ringft.utils.spawn import run_distributed
 
     alone_named = {k: v for plan in plans for k, v in plan[0].items()}
     together_named = {k: v for plan in plans for k, v in plan[1].items()}

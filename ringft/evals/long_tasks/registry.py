@@ -31,6 +31,7 @@ from ringft.evals.long_tasks.scoring import (
 from ringft.evals.long_tasks.variable_tracking import VT_ANSWER_PREFIX, build_variable_tracking
 from ringft.evals.long_tasks.word_extraction import CWE_ANSWER_PREFIX, FWE_ANSWER_PREFIX, build_cwe, build_fwe
 from ringft.evals.long_tasks.words import wonderwords_version
+from ringft.utils.values import as_integer
 
 __all__ = [
     "DATA_VERSION",
@@ -181,12 +182,6 @@ def resolve_tasks(names: str | Iterable[str], check_available: bool = True) -> l
     return specs
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 def generate_sample(
     task: str | TaskSpec,
     tokenizer: Any,
@@ -240,8 +235,8 @@ def sample_request(
 ) -> TaskRequest:
     """The validated request :func:`generate_sample` hands the task's builder (arguments as there)."""
     spec = task if isinstance(task, TaskSpec) else get_task(task)
-    length, index = _check_int("length", length, 1), _check_int("index", index, 0)
-    _check_int("seed", seed, 0)
+    length, index = as_integer("length", length, 1), as_integer("index", index, 0)
+    as_integer("seed", seed, 0)
     if depth is not None:
         if not spec.supports_depth:
             raise ValueError(
@@ -270,7 +265,7 @@ def generate_samples(
 ) -> list[Sample]:
     """Samples ``start .. start + num_samples - 1`` (each equal to :func:`generate_sample` of its
     index; each search starts from the previous sample's size, which makes it cheaper)."""
-    _check_int("num_samples", num_samples, 1)
+    as_integer("num_samples", num_samples, 1)
     samples: list[Sample] = []
     for index in range(start, start + num_samples):
         hint = samples[-1].haystack_size if samples else None

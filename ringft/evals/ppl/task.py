@@ -33,7 +33,7 @@ from ringft.evals.ppl.texts import (
 )
 from ringft.evals.ppl.variants import BASELINE, MODEL, WINDOW, same_model
 from ringft.evals.task import Context, EvalTask, ModelRef, Runner
-from ringft.ops.values import tokens_arg
+from ringft.utils.values import tokens_arg
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def check_no_accelerate_cp(args: Any) -> None:
 def attention_checkpoint_problem(value: Any, args: Any) -> str | None:
     """Why ``attention_checkpoint=value`` cannot run with these ``TrainingArguments`` (or None)."""
     from ringft.model.attention_checkpoint import ATTENTION_CHECKPOINT
-    from ringft.ops.values import BadValue, as_choice
+    from ringft.utils.values import BadValue, as_choice
 
     try:
         as_choice("attention_checkpoint", value, ATTENTION_CHECKPOINT)

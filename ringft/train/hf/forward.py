@@ -36,8 +36,8 @@ from ringft.loss.module import cp_load_balancing_loss
 from ringft.loss.router import router_loss_settings
 from ringft.model.inputs import OFFSETS
 from ringft.model.unwrap import pretrained_model
-from ringft.ops.cp_sharding import cp_gather
 from ringft.ops.parallel import ParallelLayout
+from ringft.ops.sharding import cp_gather
 
 __all__ = [
     "RING_LOSS",

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ringft.data.hf_batch import shard_collated_batch
 from ringft.model.unwrap import pretrained_model
 from ringft.ops.cp_sharding import cp_unshard
-from ringft.ops.hybrid_layout import HybridLayout
+from ringft.ops.parallel import ParallelLayout
 
 __all__ = ["FIELDS", "gather_sequence", "install_ring_fused_head", "left_align", "unwrap_engine"]
 
@@ -69,7 +69,7 @@ class _GatherCP(torch.autograd.Function):
         return grad[ctx.rank] * ctx.grad_scale, None, None, None, None
 
 
-def gather_sequence(local: torch.Tensor, layout: HybridLayout) -> torch.Tensor:
+def gather_sequence(local: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """``(batch, seq_pad // cp)`` shards of the CP group -> ``(batch, seq_pad)`` in sequence order
     (differentiable for floating tensors; see the module docstring for the gradient)."""
     if layout.cp_size == 1:
@@ -119,7 +119,7 @@ def _roll_back(field: torch.Tensor, lead: torch.Tensor) -> torch.Tensor:
     return field.gather(1, index)
 
 
-def _ring_call(previous: Any, layout: HybridLayout, pad_token_id: int, kwargs: dict[str, Any]) -> Any:
+def _ring_call(previous: Any, layout: ParallelLayout, pad_token_id: int, kwargs: dict[str, Any]) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
     extra = sorted(k for k, v in kwargs.items() if k not in _PASSED and v is not None and v is not False)
@@ -163,7 +163,7 @@ def _ring_call(previous: Any, layout: HybridLayout, pad_token_id: int, kwargs: d
     return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count, **fields)
 
 
-def install_ring_fused_head(model: torch.nn.Module, layout: HybridLayout, pad_token_id: int) -> None:
+def install_ring_fused_head(model: torch.nn.Module, layout: ParallelLayout, pad_token_id: int) -> None:
     """Make ``model(..., fused_lm_head=True)`` (TRL's fused head, already added) take whole batches
     and return whole fields, computed on the ring (see the module docstring). Idempotent; any other
     call (generation, ``fused_lm_head=False``) goes to the previous forward unchanged. ``model``

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOTrainer
 
-from ringft.ops.hybrid_layout import HybridLayout
+from ringft.ops.parallel import ParallelLayout
 from ringft.train.hf.checks import WHERE
 from ringft.train.hf.data import gather_over_dp
 from ringft.train.hf.fused import unwrap_engine
@@ -87,7 +87,7 @@ def _dp_class(cls: type) -> type:
     return _VIEWS[cls]
 
 
-def _gather_object_dp(obj: Any, layout: HybridLayout) -> Any:
+def _gather_object_dp(obj: Any, layout: ParallelLayout) -> Any:
     """accelerate's ``gather_object`` over the DP group (lists concatenated in DP-rank order)."""
     if layout.dp_size == 1:
         return obj
@@ -97,7 +97,7 @@ def _gather_object_dp(obj: Any, layout: HybridLayout) -> Any:
 
 
 @contextlib.contextmanager
-def dp_view(accelerator: Any, layout: HybridLayout) -> Iterator[None]:
+def dp_view(accelerator: Any, layout: ParallelLayout) -> Iterator[None]:
     """TRL's GRPO scoring as one ``dp``-process run: ``accelerator.process_index`` / ``num_processes``
     / ``gather`` / ``gather_for_metrics`` / ``reduce`` and grpo_trainer's ``gather`` /
     ``gather_object`` over the DP group (re-entrant; undone after)."""
@@ -135,7 +135,7 @@ def world_view(accelerator: Any) -> Iterator[None]:
         accelerator.__dict__.update(shadows)
 
 
-def cp_broadcast(obj: Any, layout: HybridLayout) -> Any:
+def cp_broadcast(obj: Any, layout: ParallelLayout) -> Any:
     """``obj`` of the CP group's first rank, on every rank of the group (picklable objects)."""
     if layout.cp_size == 1:
         return obj

@@ -11,7 +11,7 @@ What it changes in the base trainer (each override delegates to the base class w
 off, so ``cp_size=1`` without memory options is the base class unchanged):
 
 - ``__init__``: checks versions and options, builds ringft's DP x CP layout, CP = Ulysses x ring
-  with ``ulysses_size`` (:func:`ringft.ops.build_hybrid_layout`, as ``ringft train`` does),
+  with ``ulysses_size`` (:func:`ringft.ops.build_layout`, as ``ringft train`` does),
   switches the model to the ring (:func:`ringft.apply_ring_attention`), installs the chunked-loss forward
   (:mod:`ringft.train.hf.forward`), the fused RMSNorm backward and, if asked, the tiled MLP;
 - ``_get_dataloader``: every dataloader reads per DP replica and shards per CP rank
@@ -21,7 +21,7 @@ off, so ``cp_size=1`` without memory options is the base class unchanged):
   every rank, token counters (:mod:`ringft.train.hf.steps`); ``_track_num_input_tokens`` reads them;
 - ``compute_loss``: ringft's chunked loss through the wrapped model, times the loss scale;
 - ``prediction_step`` / ``evaluation_loop``: eval loss over the CP group, logits gathered within CP
-  and put back in sequence order (:func:`ringft.ops.cp_sharding.cp_gather`), metrics gathered
+  and put back in sequence order (:func:`ringft.ops.sharding.cp_gather`), metrics gathered
   across DP only.
 """
 
@@ -34,10 +34,9 @@ from typing import Any
 import torch
 
 from ringft.data.hf_batch import RING_LABELS, RING_LENGTH
-from ringft.ops.cp_sharding import ulysses_size_problem
-from ringft.ops.hybrid_layout import HybridLayout, build_hybrid_layout
+from ringft.ops.parallel import ParallelLayout, build_layout
+from ringft.ops.sharding import ulysses_size_problem
 from ringft.ops.ulysses import heads_problem
-from ringft.ops.values import as_integer
 from ringft.train.hf.checks import (
     WHERE,
     attention_checkpoint_problem,
@@ -49,6 +48,7 @@ from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, pr
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
 from ringft.train.hf.versions import check_versions
 from ringft.train.integrations import configure_fsdp_precision
+from ringft.utils.values import as_bool, as_integer, problems
 
 __all__ = ["RingTrainerMixin"]
 
@@ -61,7 +61,7 @@ _TOKENS = (
 class _Ring:
     """The ring settings of one trainer."""
 
-    layout: HybridLayout
+    layout: ParallelLayout
     pad_token_id: int
     count_pad_token_id: int | None
 
@@ -76,8 +76,9 @@ def _training_args(args: tuple, kwargs: dict) -> Any:
 
 def _ulysses_problem(cp_size: int, ulysses_size: Any, args: tuple, kwargs: dict) -> str | None:
     """Why ``ulysses_size`` cannot split this trainer's CP group or its model's query heads."""
-    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
-        return f"ulysses_size must be an integer >= 1, got {ulysses_size!r}"
+    bad = problems(functools.partial(as_integer, "ulysses_size", ulysses_size, 1))
+    if bad:
+        return bad[0]
     if ulysses_size == 1:
         return None
     problem = ulysses_size_problem(cp_size, ulysses_size)
@@ -110,7 +111,7 @@ class RingTrainerMixin:
     - ``ulysses_size``: 2D context parallelism, ``cp_size = ulysses_size x ring_size`` (Ulysses
       all-to-alls over ``ulysses_size`` contiguous ranks, the zigzag ring across them); it must
       divide ``cp_size`` and the model's query heads. 1 (default): the zigzag ring alone.
-    - ``ring_backend``: the block kernel (``"auto"``, ``"flash_attn"``, ``"torch"``, ``"reference"``).
+    - ``ring_backend``: the block kernel, one of ``ringft.ops.backends.BACKENDS`` (``"auto"`` picks).
     - ``loss_chunk_size``: tokens per chunk of the ``lm_head`` + cross-entropy (no full logits).
     - ``tiled_mlp_tokens``: run the MLP over token tiles of this size (``ringft.model.tiled_mlp``).
     - ``offload_activations``: keep the decoder's saved activations in CPU memory.
@@ -143,12 +144,9 @@ class RingTrainerMixin:
         attention_checkpoint: str = "recompute",
         **kwargs: Any,
     ):
-        if not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"{WHERE}: cp_size must be an integer >= 1, got {cp_size!r}")
-        if not isinstance(fused_rmsnorm, bool):
-            raise ValueError(f"{WHERE}: fused_rmsnorm must be True or False, got {fused_rmsnorm!r}")
-        if loss_chunk_size < 1:
-            raise ValueError(f"{WHERE}: loss_chunk_size must be >= 1, got {loss_chunk_size}")
+        as_integer(f"{WHERE}: cp_size", cp_size, 1)
+        as_bool(f"{WHERE}: fused_rmsnorm", fused_rmsnorm)
+        as_integer(f"{WHERE}: loss_chunk_size", loss_chunk_size, 1)
         as_integer(f"{WHERE}: attention_tile_tokens", attention_tile_tokens, 1, optional=True)
         problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
         problem = problem or attention_checkpoint_problem(attention_checkpoint, _training_args(args, kwargs))
@@ -166,7 +164,7 @@ class RingTrainerMixin:
         super().__init__(*args, **kwargs)
         if not active:
             return
-        layout = build_hybrid_layout(cp_size, ulysses_size, self.args.device.type)
+        layout = build_layout(cp_size, ulysses_size, self.args.device.type)
         check_trainer_options(self)
         from ringft.model.patch import apply_ring_attention
 
@@ -196,7 +194,7 @@ class RingTrainerMixin:
 
     # -- layout and data ---------------------------------------------------------------------
     @property
-    def ring_layout(self) -> HybridLayout | None:
+    def ring_layout(self) -> ParallelLayout | None:
         """This process's DP x CP (CP = Ulysses x ring) layout (None when the ring is off)."""
         return None if self._ring is None else self._ring.layout
 

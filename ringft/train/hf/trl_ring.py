@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringft.ops.hybrid_layout import HybridLayout
+from ringft.ops.parallel import ParallelLayout
 from ringft.train.hf.data import _apply, gather_over_dp, shard_loader_over_dp
 from ringft.train.hf.fused import install_ring_fused_head, unwrap_engine
 from ringft.train.hf.mixin import RingTrainerMixin
@@ -29,11 +29,11 @@ from ringft.train.hf.mixin import RingTrainerMixin
 __all__ = ["RingScoringMixin", "dp_gathers", "reduce_over_dp"]
 
 
-def _gather_dp(data: Any, layout: HybridLayout) -> Any:
+def _gather_dp(data: Any, layout: ParallelLayout) -> Any:
     return gather_over_dp(data, layout, gradient_state=None)
 
 
-def reduce_over_dp(data: Any, layout: HybridLayout, reduction: str = "sum", scale: float = 1.0) -> Any:
+def reduce_over_dp(data: Any, layout: ParallelLayout, reduction: str = "sum", scale: float = 1.0) -> Any:
     """``accelerator.reduce`` over the DP group only (tensors, nested in lists / tuples / dicts)."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def reduce_over_dp(data: Any, layout: HybridLayout, reduction: str = "sum", scal
 
 
 @contextlib.contextmanager
-def dp_gathers(accelerator: Any, layout: HybridLayout) -> Iterator[None]:
+def dp_gathers(accelerator: Any, layout: ParallelLayout) -> Iterator[None]:
     """``accelerator.gather`` / ``gather_for_metrics`` / ``reduce`` over the DP group only, for the
     duration (instance attributes shadowing the methods; removed after; re-entrant)."""
     if "gather_for_metrics" in vars(accelerator):

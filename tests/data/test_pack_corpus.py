@@ -1,4 +1,4 @@
-"""Tests for ringft.data.packing and the data_prep/pack.py CLI (all local, no downloads)."""
+"""Tests for ringft.data.pack_corpus and the data_prep/pack.py CLI (all local, no downloads)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # allow running without the package installed
     sys.path.insert(0, str(REPO_ROOT))
-packing = importlib.import_module("ringft.data.packing")
+packing = importlib.import_module("ringft.data.pack_corpus")
 
 CLI_PATH = REPO_ROOT / "data_prep" / "pack.py"
 

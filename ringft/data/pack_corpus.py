@@ -24,6 +24,7 @@ import numpy as np
 
 from ringft.data.corpus import SUPPORTED_EXTENSIONS, AnyDataset, check_source, check_text_column, load_corpus
 from ringft.data.packer import pack_rows, padding_fraction
+from ringft.utils.values import as_integer
 
 __all__ = [
     "PackSummary",
@@ -196,12 +197,9 @@ def _validate(
     num_proc: int | None,
 ) -> int | None:
     """Check arguments; return the EOS id to append (None when ``add_eos`` is False)."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if num_proc is not None and num_proc < 1:
-        raise ValueError(f"num_proc must be >= 1, got {num_proc!r}")
+    as_integer("seq_len", seq_len, 1)
+    as_integer("batch_size", batch_size, 1)
+    as_integer("num_proc", num_proc, 1, optional=True)
     if not drop_tail:
         raise ValueError(
             "drop_tail=False is not supported: the tail shorter than seq_len is always dropped "

@@ -1,0 +1,7 @@
+"""Helpers below every other layer, none of them attention math.
+
+``values`` (typed value checks with one error style, for every user-facing setting: recipe keys,
+command-line flags, trainer keywords) and ``spawn`` (N gloo processes with a timeout, for tests and
+setup checks). ``ringft.ops`` never imports ``values``: the operator's own input checks are in
+:mod:`ringft.ops.ring_checks`.
+"""
