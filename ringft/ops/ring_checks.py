@@ -4,7 +4,6 @@ one exchange that makes every rank of the CP group raise the same error before a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -13,6 +12,7 @@ from ringft.ops.documents import DocumentPlan, check_cu_seqlens
 from ringft.ops.latent import block_kernel
 from ringft.ops.sharding import local_length_problem
 from ringft.ops.sinks import sink_problems
+from ringft.ops.tiles import tile_tokens_problem
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 from ringft.ops.windows import window_problems
 
@@ -22,16 +22,8 @@ __all__ = [
     "local_input_problems",
     "offsets_checksum",
     "rank_problems",
-    "tile_tokens_problem",
     "validate_inputs",
 ]
-
-
-def tile_tokens_problem(tokens: Any) -> str | None:
-    """Why ``attention_tile_tokens`` is unusable (an integer >= 1, or None for no tiling), or None."""
-    if tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1):
-        return None
-    return f"attention_tile_tokens must be an integer >= 1 or null, got {tokens!r}"
 
 
 def local_input_problems(q: Tensor, k: Tensor, v: Tensor, backend: str, cp_size: int = 1) -> list[str]:

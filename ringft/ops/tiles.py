@@ -42,11 +42,17 @@ import torch
 from ringft.ops.backends import BlockAttention, MaskedTileAttention, WindowAttention
 from ringft.ops.dtypes import accumulator_dtype
 from ringft.ops.merge import merge_attention_
-from ringft.ops.ring_checks import tile_tokens_problem
 
 Tensor = torch.Tensor
 
 __all__ = ["TiledAttention", "key_tiles", "tiled"]
+
+
+def tile_tokens_problem(tokens: object) -> str | None:
+    """Why ``attention_tile_tokens`` is unusable (an integer >= 1, or None for no tiling), or None."""
+    if tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1):
+        return None
+    return f"attention_tile_tokens must be an integer >= 1 or null, got {tokens!r}"
 
 
 def key_tiles(a: int, b: int, seq_k: int, tokens: int, causal: bool) -> list[tuple[int, int, bool]]:

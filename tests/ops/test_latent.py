@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from ringft.utils.spawn import run_distributed
 
 from ringft.ops import zigzag_ring_attention
 from ringft.ops.sharding import cp_shard
+from ringft.utils.spawn import run_distributed
 from tests.oracle import full_attention_fp64, per_document_attention_fp64
 
 BOUND = 64 * torch.finfo(torch.float64).eps

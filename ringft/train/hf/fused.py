@@ -18,7 +18,7 @@ passes it, and returns the *whole* fields, as one process computes them:
 2. TRL's own fused head runs on the shard (its ``shift_labels`` path: pre-shifted targets), the
    decoder on the ring: each position's fields are the one-process fields of that position;
 3. each field ``(batch, seq_local)`` is all-gathered over the CP group and put back in sequence
-   order (:func:`ringft.ops.cp_sharding.cp_unshard`), cut to ``(batch, seq - 1)``.
+   order (:func:`ringft.ops.sharding.cp_unshard`), cut to ``(batch, seq - 1)``.
 
 Memory: the gathered fields are ``O(batch x seq)`` numbers (8 MB for 2 x 512K fp32 fields), the
 logits still ``O(tile x vocab)``.
@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from ringft.data.hf_batch import shard_collated_batch
 from ringft.model.unwrap import pretrained_model
-from ringft.ops.cp_sharding import cp_unshard
 from ringft.ops.parallel import ParallelLayout
+from ringft.ops.sharding import cp_unshard
 
 __all__ = ["FIELDS", "gather_sequence", "install_ring_fused_head", "left_align", "unwrap_engine"]
 
