@@ -22,7 +22,10 @@ def decoder(model: nn.Module) -> nn.Module:
     Works for ``*ForCausalLM`` and for the bare base model, peft-wrapped or not.
     """
     inner = pretrained_model(model)
-    return getattr(inner, "base_model", inner)
+    base = getattr(inner, "base_model", inner)
+    if base is inner and isinstance(getattr(inner, "model", None), nn.Module):
+        return inner.model  # a prefix that names no attribute (Llama4ForCausalLM: "language_model")
+    return base
 
 
 def output_head(model: nn.Module) -> nn.Module:

@@ -25,7 +25,9 @@ def _launch_env(script: str, tmp_path: Path, preset: str | None) -> str:
     env.update(ACCELERATE=str(stub), STAGES="1")
     if preset is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = preset
-    subprocess.run(["bash", script], cwd=REPO, env=env, check=True, capture_output=True, timeout=60)
+    # a stage wrapper checks its data folder before launching: point it at one that exists
+    extra = ["--data.path", str(tmp_path)] if "512k" in script else []
+    subprocess.run(["bash", script, *extra], cwd=REPO, env=env, check=True, capture_output=True, timeout=60)
     return record.read_text()
 
 
