@@ -98,10 +98,12 @@ while [ $# -gt 0 ]; do
         | grep -E '^\{|Error' || true
       ;;
     tiles)
-      python3 benchmarks/bench_attention_tiles.py --device cuda --json "$OUT/tiles.jsonl" 2>&1 | tail -15
+      python3 benchmarks/bench_attention_tiles.py --device cuda --backend cudnn --dtype bf16 --seq 64K,128K,256K \
+        --tiles 4096,16384 --heads 32 --kv-heads 8 --head-dim 128 2>&1 | tail -15
       ;;
     attnckpt)
-      python3 benchmarks/bench_attention_checkpoint.py --device cuda --json "$OUT/attnckpt.jsonl" 2>&1 | tail -15
+      python3 benchmarks/bench_attention_checkpoint.py --device cuda --dtype bf16 --seq 131072 --hidden 4096 \
+        --heads 32 --kv-heads 8 --intermediate 14336 --layers 2 --vocab 32000 --steps 3 2>&1 | tail -15
       ;;
     sharded)
       kind=$1 seq=$2 layers=$3; shift 3
