@@ -12,6 +12,8 @@
 # CPU variant (2 processes, SmolLM2-135M): recipes/trl_grpo/run_cpu.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=recipes/_stages.sh
+source recipes/_stages.sh  # dry_run: what DRY_RUN means in every wrapper
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CMD=(
     "${ACCELERATE:-accelerate}" launch
@@ -31,7 +33,7 @@ CMD=(
     --output_dir "${OUTPUT_DIR:-outputs/trl_grpo}"
     "$@"
 )
-if [[ -n "${DRY_RUN:-}" ]]; then
+if dry_run; then
     echo "${CMD[@]}"
 else
     "${CMD[@]}"

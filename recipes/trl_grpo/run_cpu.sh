@@ -12,6 +12,8 @@
 # tests/train/test_trl_recipes.py runs both and compares their logs step by step.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=recipes/_stages.sh
+source recipes/_stages.sh  # dry_run: what DRY_RUN means in every wrapper
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-$("$PYTHON" data_prep/get_smollm2.py --output models/smollm2-135m-instruct | tail -n 1)}
 ARGS=(
@@ -34,7 +36,7 @@ else
     CMD=("${ACCELERATE:-accelerate}" launch --config_file recipes/accelerate/cpu_2proc.yaml ${LAUNCH_ARGS:-}
         recipes/trl_grpo/grpo.py "${ARGS[@]}" --cp_size 2 "$@")
 fi
-if [[ -n "${DRY_RUN:-}" ]]; then
+if dry_run; then
     echo "${CMD[@]}"
 else
     exec "${CMD[@]}"

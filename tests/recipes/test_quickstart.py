@@ -105,6 +105,10 @@ WRAPPERS = [
     "smollm2_32k/measure.sh",
     "trl_sft/run.sh",
     "trl_sft/run_cpu.sh",
+    "trl_dpo/run.sh",
+    "trl_dpo/run_cpu.sh",
+    "trl_grpo/run.sh",
+    "trl_grpo/run_cpu.sh",
 ]
 
 

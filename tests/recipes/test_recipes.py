@@ -390,6 +390,24 @@ def test_trl_sft_run_sh_launches_fsdp2_with_a_ring_of_8(tmp_path):
         assert (REPO_ROOT / ref).is_file(), ref
 
 
+@pytest.mark.parametrize("recipe", ["trl_dpo", "trl_grpo"])
+def test_trl_dpo_and_grpo_run_sh_launch_zero3_with_a_ring_of_8(recipe):
+    """recipes/trl_dpo/run.sh and recipes/trl_grpo/run.sh: the command each would run (DRY_RUN), as
+    shipped: the shipped ZeRO-3 launch config, a ring of 8, the recipe's own script."""
+    script = RECIPES / recipe / "run.sh"
+    assert "run.sh" in script.name
+    out = subprocess.run(
+        ["bash", str(script)], env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    assert words[words.index("--config_file") + 1] == "recipes/accelerate/deepspeed_zero3.yaml"
+    assert words[words.index("--cp_size") + 1] == "8"
+    assert f"recipes/{recipe}/{recipe.split('_')[1]}.py" in words
+    for ref in (w for w in words if w.startswith("recipes/")):
+        assert (REPO_ROOT / ref).is_file(), ref
+
+
 def test_two_node_config_has_placeholders():
     text = (ACCEL / "2node_8gpu.yaml").read_text()
     cfg = yaml.safe_load(text)
@@ -427,6 +445,10 @@ SHELL_RUN_BY = {
     "smollm2_32k/prepare_data.sh": "test_smollm2_recipe.py::test_prepare_data_builds_what_the_stages_read",
     "trl_sft/run.sh": "test_recipes.py::test_trl_sft_run_sh_launches_fsdp2_with_a_ring_of_8",
     "trl_sft/run_cpu.sh": "../train/test_hf_launch.py::test_recipe_cpu_variant_matches_one_process",
+    "trl_dpo/run.sh": "test_recipes.py::test_trl_dpo_and_grpo_run_sh_launch_zero3_with_a_ring_of_8",
+    "trl_grpo/run.sh": "test_recipes.py::test_trl_dpo_and_grpo_run_sh_launch_zero3_with_a_ring_of_8",
+    "trl_dpo/run_cpu.sh": "../train/test_trl_recipes.py::test_dpo_recipe_cpu_variant_matches_one_process",
+    "trl_grpo/run_cpu.sh": "../train/test_trl_recipes.py::test_grpo_recipe_cpu_variant_matches_one_process",
 }
 
 

@@ -84,6 +84,8 @@ def _run_both(recipe: str, tmp_path: Path) -> tuple[list[dict], list[dict]]:
 @pytest.mark.numerics
 @pytest.mark.timeout(900)
 def test_dpo_recipe_cpu_variant_matches_one_process(tmp_path):
+    """recipes/trl_dpo/run_cpu.sh (cp 2, SmolLM2's real weights) == one process: loss and metrics
+    within RTOL each step."""
     one, ring = _run_both("trl_dpo", tmp_path)
     assert len(one) == len(ring) == 2
     for a, b in zip(one, ring):
