@@ -17,7 +17,10 @@ one-process references on their own (no process group), then all four run the ri
   model TRL loads and prepares as a ZeRO-3 inference engine (both partitioned, both on the ring, the
   partitioned ``lm_head`` gathered by TRL's fused head), against the same script in one process
   (``--cp_size 1``: TRL's DPOTrainer, run in the spawn above): every logged metric each step and
-  the exported weights' update. DeepSpeed builds its CPU ops first (tests/train/launch_env.py).
+  the exported weights' update; and the same with the reference log-probs precomputed
+  (``--precompute_ref_log_probs true``, recipes/trl_dpo/run.sh's setting) against the same
+  one-process run (the reference is the policy before training either way). DeepSpeed builds its
+  CPU ops first (tests/train/launch_env.py).
 
 Tolerances: the runs compute the same fp32 math, the attention in another order (ring vs sdpa) and
 the gradients summed over CP ranks. A sequence log-probability sums at most 64 token log-probs, each
@@ -112,11 +115,29 @@ def test_compute_metrics_refused(dpo):
         assert "compute_metrics" in err and "\n" not in err, err
 
 
+def _pairs_file(path: Path) -> str:
+    """The recipe's ``synthetic-pairs:8`` rows (its default seed 42) as a .jsonl file: TRL caches the
+    precomputed reference log-probs next to the dataset's files, which an in-memory dataset has
+    only in a temporary folder of each process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_dpo_pairs", REPO / "recipes" / "trl_dpo" / "dpo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    path.write_text("".join(json.dumps(row) + "\n" for row in module.synthetic_pairs(8, 42)))
+    return str(path)
+
+
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-def test_zero3_recipe_script_matches_one_process(dpo, hf_root, tmp_path, deepspeed_ops):
-    """recipes/trl_dpo/dpo.py under the shipped ZeRO-3 config (2 ranks, cp 2, full fine-tuning, the
-    reference model partitioned too) == the script in one process: metrics every step, weights."""
+@pytest.mark.parametrize("reference", ["model", "precomputed"])
+def test_zero3_recipe_script_matches_one_process(dpo, hf_root, tmp_path, deepspeed_ops, reference):
+    """recipes/trl_dpo/dpo.py under the shipped ZeRO-3 config (2 ranks, cp 2, full fine-tuning) ==
+    the script in one process: metrics every step, weights. The reference: the model TRL loads
+    (partitioned too, its own inference engine), or its log-probs precomputed on the ring through
+    TRL's inference engine on the policy (recipes/trl_dpo/run.sh's setting); both are the policy
+    before training, as in the one-process run."""
     from safetensors.torch import load_file
 
     out = tmp_path / "zero3"
@@ -127,9 +148,11 @@ def test_zero3_recipe_script_matches_one_process(dpo, hf_root, tmp_path, deepspe
         str(REPO / "recipes" / "trl_dpo" / "dpo.py"),
     ]
     argv = [*launch, *dpo_zero3_argv(str(hf_root / "tiny"), str(out)), "--cp_size", "2"]
-    proc = subprocess.run(
-        argv, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-    )
+    if reference == "precomputed":
+        argv[argv.index("synthetic-pairs:8")] = _pairs_file(tmp_path / "pairs.jsonl")
+        argv += ["--precompute_ref_log_probs", "true"]
+    env = launch_env(HF_DATASETS_CACHE=str(tmp_path / "datasets"))
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     info = json.loads((out / "run_info.json").read_text())
     assert info == {"world": 2, "dp": 1, "cp": 2, "distributed_type": "DistributedType.DEEPSPEED"}
