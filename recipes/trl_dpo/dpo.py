@@ -9,8 +9,8 @@ one-process oracle the tests compare against), ``--ulysses_size`` (CP = Ulysses 
 Data: ``--dataset_name`` is a hub dataset with ``prompt`` / ``chosen`` / ``rejected`` columns
 (conversational or plain text), a local .json / .jsonl file, or ``synthetic-pairs[:N]`` (made-up
 arithmetic questions, the right answer chosen and a wrong one rejected: no download). Writes
-``<output_dir>/log_history.json`` (the Trainer's logs), ``run_info.json`` (world, dp, cp) and the
-trained model (or adapter) to ``<output_dir>/final``.
+``<output_dir>/log_history.json`` (the Trainer's logs), ``run_info.json`` (world, dp, cp, the
+accelerate distributed type) and the trained model (or adapter) to ``<output_dir>/final``.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             "world": world,
             "dp": layout.dp_size if layout else world,
             "cp": layout.cp_size if layout else 1,
+            "distributed_type": str(trainer.accelerator.distributed_type),
         }
         (out / "run_info.json").write_text(json.dumps(info))
     trainer.save_model(str(Path(config.output_dir) / "final"))

@@ -35,14 +35,14 @@ def short_data(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def trl_runs_4(tmp_path_factory) -> dict[str, dict]:
-    """test_hf_dpo.py's and test_hf_grpo.py's runs, in one 4-rank spawn (tests/train/trl_runs.py)."""
+def trl_runs_4(tmp_path_factory, hf_root) -> dict[str, dict]:
+    """test_hf_dpo.py's and test_hf_grpo.py's runs, in one 4-rank spawn (tests/train/trl_runs.py);
+    the DPO recipe's one-process reference on ``hf_root``'s tiny model."""
     from tests.train.trl_runs import dpo_plan, grpo_plan, spawn_plans
 
     root = tmp_path_factory.mktemp("trl")
-    return spawn_plans(
-        root, dpo_plan(str(root / "dpo")), grpo_plan(str(root / "grpo")), timeout=SPAWN_TIMEOUT
-    )
+    dpo = dpo_plan(str(root / "dpo"), str(hf_root / "tiny"))
+    return spawn_plans(root, dpo, grpo_plan(str(root / "grpo")), timeout=SPAWN_TIMEOUT)
 
 
 def _collect(names: list[str], results: list[list[dict]]) -> dict[str, dict]:

@@ -10,7 +10,17 @@ one-process references on their own (no process group), then all four run the ri
 - dp 1 x cp 4 (every row sharded over 4 ranks: prompts of 8..24 tokens, completions 2..12), IPO
   + SFT losses with precomputed reference log-probs (no reference model: the policy before
   training, scored on the ring), micro-batch 1 x gradient accumulation 2, against one process;
-- a refusal: ``compute_metrics`` (it needs the logits).
+- a refusal: ``compute_metrics`` (it needs the logits);
+- DeepSpeed ZeRO-3 through the recipe script: recipes/trl_dpo/dpo.py launched with the shipped
+  recipes/accelerate/deepspeed_zero3.yaml (``zero3_init_flag`` on; ``--num_processes 2``, cp 2,
+  ``--mixed_precision no`` for fp32 on CPU), full fine-tuning of the tiny LLaMA with the reference
+  model TRL loads and prepares as a ZeRO-3 inference engine (both partitioned, both on the ring, the
+  partitioned ``lm_head`` gathered by TRL's fused head), against the same script in one process
+  (``--cp_size 1``: TRL's DPOTrainer, run in the spawn above): every logged metric each step and
+  the exported weights' update; and the same with the reference log-probs precomputed
+  (``--precompute_ref_log_probs true``, recipes/trl_dpo/run.sh's setting) against the same
+  one-process run (the reference is the policy before training either way). DeepSpeed builds its
+  CPU ops first (tests/train/launch_env.py).
 
 Tolerances: the runs compute the same fp32 math, the attention in another order (ring vs sdpa) and
 the gradients summed over CP ranks. A sequence log-probability sums at most 64 token log-probs, each
@@ -24,12 +34,22 @@ gradient not scaled for the CP ranks (grad_norm x 1/cp), a batch read twice or s
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from ringft.utils.spawn import free_port
 from tests.train.hf_runs import LOSS_RTOL, STEPS, assert_updates_close
+from tests.train.launch_env import launch_env
+from tests.train.trl_runs import METRICS, dpo_zero3_argv
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 BETA = 0.5  # tests/train/trl_runs.py
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_TIMEOUT = 420
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +59,14 @@ def dpo(trl_runs_4) -> dict[str, dict]:
 
 def assert_same_dpo(got: dict, ref: dict) -> None:
     assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
-    assert len(got["logs"]) == len(ref["logs"]) == 2
-    for g, o in zip(got["logs"], ref["logs"]):
+    assert_same_dpo_logs(got["logs"], ref["logs"])
+    assert_updates_close(got["final"], ref["final"], ref["initial"], STEPS * LOSS_RTOL)
+    assert got["tokens_seen"] == ref["tokens_seen"]
+
+
+def assert_same_dpo_logs(got: list[dict], ref: list[dict]) -> None:
+    assert len(got) == len(ref) == 2
+    for g, o in zip(got, ref):
         assert sorted(g) == sorted(o)
         scale = max(abs(o["logps/chosen"]), abs(o["logps/rejected"]))
         for key, want in o.items():
@@ -54,8 +80,6 @@ def assert_same_dpo(got: dict, ref: dict) -> None:
                 assert g[key] == pytest.approx(
                     want, rel=STEPS * LOSS_RTOL if key == "grad_norm" else LOSS_RTOL
                 ), key
-    assert_updates_close(got["final"], ref["final"], ref["initial"], STEPS * LOSS_RTOL)
-    assert got["tokens_seen"] == ref["tokens_seen"]
 
 
 @pytest.mark.numerics
@@ -89,3 +113,54 @@ def test_compute_metrics_refused(dpo):
     for rank in range(4):
         err = dpo["refused" if rank == 0 else f"refused@{rank}"].get("error", "")
         assert "compute_metrics" in err and "\n" not in err, err
+
+
+def _pairs_file(path: Path) -> str:
+    """The recipe's ``synthetic-pairs:8`` rows (its default seed 42) as a .jsonl file: TRL caches the
+    precomputed reference log-probs next to the dataset's files, which an in-memory dataset has
+    only in a temporary folder of each process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_dpo_pairs", REPO / "recipes" / "trl_dpo" / "dpo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    path.write_text("".join(json.dumps(row) + "\n" for row in module.synthetic_pairs(8, 42)))
+    return str(path)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("reference", ["model", "precomputed"])
+def test_zero3_recipe_script_matches_one_process(dpo, hf_root, tmp_path, deepspeed_ops, reference):
+    """recipes/trl_dpo/dpo.py under the shipped ZeRO-3 config (2 ranks, cp 2, full fine-tuning) ==
+    the script in one process: metrics every step, weights. The reference: the model TRL loads
+    (partitioned too, its own inference engine), or its log-probs precomputed on the ring through
+    TRL's inference engine on the policy (recipes/trl_dpo/run.sh's setting); both are the policy
+    before training, as in the one-process run."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "zero3"
+    launch = [
+        *(str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file"),
+        str(REPO / "recipes" / "accelerate" / "deepspeed_zero3.yaml"),
+        *("--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port())),
+        str(REPO / "recipes" / "trl_dpo" / "dpo.py"),
+    ]
+    argv = [*launch, *dpo_zero3_argv(str(hf_root / "tiny"), str(out)), "--cp_size", "2"]
+    if reference == "precomputed":
+        argv[argv.index("synthetic-pairs:8")] = _pairs_file(tmp_path / "pairs.jsonl")
+        argv += ["--precompute_ref_log_probs", "true"]
+    env = launch_env(HF_DATASETS_CACHE=str(tmp_path / "datasets"))
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    info = json.loads((out / "run_info.json").read_text())
+    assert info == {"world": 2, "dp": 1, "cp": 2, "distributed_type": "DistributedType.DEEPSPEED"}
+    ref = dpo["one-zero3"]
+    assert "error" not in ref, ref["error"]
+    history = json.loads((out / "log_history.json").read_text())
+    assert_same_dpo_logs([{k: h[k] for k in METRICS if k in h} for h in history if "loss" in h], ref["logs"])
+    initial = load_file(str(hf_root / "tiny" / "model.safetensors"))
+    want = load_file(str(Path(ref["out"]) / "final" / "model.safetensors"))
+    got = load_file(str(out / "final" / "model.safetensors"))
+    assert_updates_close(got, want, initial, STEPS * LOSS_RTOL)

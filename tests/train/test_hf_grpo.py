@@ -10,8 +10,8 @@ second step's importance ratio is not 1, so the clipping is exercised), the refe
 by TRL when ``beta > 0``.
 
 - dp 1 x cp 4, prompts of 40..64 tokens (GRPO_LONG) (a row of up to 76 tokens sharded over 4 ranks: each
-  rank holds less than a prompt), for each loss type grpo, bnpo, dr_grpo, dapo with the KL term
-  (beta 0.1), and grpo, dapo without;
+  rank holds less than a prompt), for each loss type grpo, bnpo, dr_grpo, dapo, with the KL term
+  (beta 0.1) and without (beta 0: no reference model);
 - dp 2 x cp 2, grpo + KL, against one process with twice the micro-batch (the rewards gathered and
   the advantages sliced over the DP group: group normalisation over each prompt's completions);
 - dp 2 x cp 2 with real greedy generation (every rank generates, the CP group's first rank's
@@ -39,7 +39,7 @@ from tests.train.hf_runs import LOSS_RTOL, STEPS, assert_updates_close
 from tests.train.trl_runs import GRPO_LOSSES
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-# every loss type with the KL term; without it for grpo and dapo (dapo's normaliser counts processes)
+# every loss type with the KL term and without (dapo's normaliser counts processes)
 LOSSES = GRPO_LOSSES
 EXACT = ("reward", "reward_std", "frac_reward_zero_std", "num_tokens")
 

@@ -253,8 +253,38 @@ def _grpo_generate():
     return GRPOTrainer._generate_single_turn
 
 
+def dpo_zero3_argv(model_dir: str, out: str) -> list[str]:
+    """recipes/trl_dpo/dpo.py arguments of the ZeRO-3 test (tests/train/test_hf_dpo.py): full
+    fine-tuning of the tiny model (TRL loads the reference model from the same folder), the
+    synthetic arithmetic pairs (rows of < 64 tokens), 2 pairs per step, 2 steps."""
+    return [  # TRL's own flags (dpo.py is a TrlParser script)
+        *("--model_name_or_path", model_dir, "--dataset_name", "synthetic-pairs:8", "--beta", "0.5"),
+        *("--max_length", "64", "--per_device_train_batch_size", "2", "--max_steps", "2"),
+        *("--learning_rate", "1e-3", "--logging_steps", "1", "--save_strategy", "no"),
+        *("--report_to", "none", "--use_cpu", "true", "--bf16", "false"),
+        *("--gradient_checkpointing", "false", "--disable_tqdm", "true", "--output_dir", out),
+    ]
+
+
+def dpo_script_run(s: dict[str, Any]) -> dict[str, Any]:
+    """recipes/trl_dpo/dpo.py ``main(argv)`` in this process, as ``python dpo.py argv`` runs it;
+    its logged metrics per step and its output folder."""
+    import importlib.util
+    import json
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "trl_dpo" / "dpo.py"
+    spec = importlib.util.spec_from_file_location("trl_dpo_recipe", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    module.main(s["argv"])
+    history = json.loads((Path(s["out"]) / "log_history.json").read_text())
+    return {"logs": [{k: h[k] for k in METRICS if k in h} for h in history if "loss" in h], "out": s["out"]}
+
+
 GRPO_GENERATE: Any = None
-RUNS = {"dpo": dpo_run, "grpo": grpo_run}
+RUNS = {"dpo": dpo_run, "grpo": grpo_run, "dpo-script": dpo_script_run}
 
 
 def _guarded(s: dict[str, Any]) -> dict[str, Any]:
@@ -299,13 +329,17 @@ def worker(rank: int, world: int, alone: list[list[dict]], together: list[dict],
     return results
 
 
-def dpo_plan(r: str) -> tuple[dict[str, dict], dict[str, dict]]:
-    """tests/train/test_hf_dpo.py's runs: (one-process references, 4-rank ring runs) by name."""
+def dpo_plan(r: str, model_dir: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    """tests/train/test_hf_dpo.py's runs: (one-process references, 4-rank ring runs) by name; the
+    ZeRO-3 test's reference is recipes/trl_dpo/dpo.py on the tiny model saved in ``model_dir``."""
     sig = dict(kind="dpo", loss=["sigmoid"], ref=True, steps=2, evaluate=True)
     ipo = dict(kind="dpo", loss=["ipo", "sft"], precompute=True, steps=2, mb=1, ga=2)
     alone = {
         "dpo/one-sig": dict(sig, cp=0, mb=4, out=f"{r}/one-sig"),
         "dpo/one-ipo": dict(ipo, cp=0, out=f"{r}/one-ipo"),
+        "dpo/one-zero3": dict(
+            kind="dpo-script", out=f"{r}/one-zero3", argv=dpo_zero3_argv(model_dir, f"{r}/one-zero3")
+        ),
     }
     together = {
         "dpo/sig": dict(sig, cp=2, mb=2, out=f"{r}/sig"),
@@ -315,7 +349,7 @@ def dpo_plan(r: str) -> tuple[dict[str, dict], dict[str, dict]]:
     return alone, together
 
 
-GRPO_LOSSES = [("grpo", 0.0), ("dapo", 0.0)] + [(loss, 0.1) for loss in ("grpo", "bnpo", "dr_grpo", "dapo")]
+GRPO_LOSSES = [(loss, beta) for beta in (0.0, 0.1) for loss in ("grpo", "bnpo", "dr_grpo", "dapo")]
 GRPO_LONG = (40, 64)  # prompt tokens; + <= 12 completion tokens, over 4 ranks: < 20 tokens each
 
 
