@@ -15,19 +15,9 @@ accelerate distributed type) and the trained model (or adapter) to ``<output_dir
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import dataclass, field
-from pathlib import Path
 
-
-@dataclass
-class RingArguments:
-    """The ring's options (ringft.RingTrainerMixin keywords)."""
-
-    cp_size: int = field(default=1, metadata={"help": "ranks per ring (1: TRL's DPOTrainer unchanged)"})
-    ulysses_size: int = field(default=1, metadata={"help": "CP = Ulysses x ring (1: the ring alone)"})
-    ring_backend: str = field(default="auto", metadata={"help": "auto, flash_attn, torch or reference"})
+from ringft.train.hf.scripts import RingArguments, write_run_files
 
 
 def synthetic_pairs(n: int, seed: int) -> list[dict]:
@@ -79,31 +69,15 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    if ring_args.cp_size > 1:
+    ring = ring_args.trainer_keywords(memory_options=False)
+    if ring:
         from ringft import RingDPOTrainer
 
-        trainer = RingDPOTrainer(
-            **data,
-            cp_size=ring_args.cp_size,
-            ulysses_size=ring_args.ulysses_size,
-            ring_backend=ring_args.ring_backend,
-        )
+        trainer = RingDPOTrainer(**data, **ring)
     else:
         trainer = DPOTrainer(**data)
     trainer.train()
-    if trainer.is_world_process_zero():
-        out = Path(config.output_dir)
-        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        layout = getattr(trainer, "ring_layout", None)
-        world = trainer.accelerator.num_processes
-        info = {
-            "world": world,
-            "dp": layout.dp_size if layout else world,
-            "cp": layout.cp_size if layout else 1,
-            "distributed_type": str(trainer.accelerator.distributed_type),
-        }
-        (out / "run_info.json").write_text(json.dumps(info))
-    trainer.save_model(str(Path(config.output_dir) / "final"))
+    write_run_files(trainer, config.output_dir)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,10 @@ into rows of ``--max_length``). Writes ``<output-dir>/log_history.json`` (the Tr
 ``<output-dir>/final``.
 """
 
-
-import json
 import random
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from ringft.train.hf.scripts import RingArguments, write_run_files
 
 
 def synthetic_chats(n: int, seed: int) -> list[dict]:
@@ -62,16 +60,6 @@ def load_chats(name: str, split: str, seed: int):
     return datasets.load_dataset(name, split=split)
 
 
-@dataclass
-class RingArguments:
-    """ringft's flags: the ring layout and its memory options (RingTrainerMixin's keywords)."""
-
-    cp_size: int = field(default=1, metadata={"help": "ranks per ring (1: TRL's SFTTrainer unchanged)"})
-    ulysses_size: int = field(default=1, metadata={"help": "CP = Ulysses x ring (1: the ring alone)"})
-    loss_chunk_size: int = field(default=4096, metadata={"help": "tokens per lm_head + loss chunk"})
-    tiled_mlp_tokens: int | None = field(default=None, metadata={"help": "tokens per MLP tile"})
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[Any, Any, Any, RingArguments]:
     """``(ScriptArguments, SFTConfig, ModelConfig, RingArguments)`` from ``argv`` (and ``--config``)."""
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
@@ -99,14 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         name, revision=model_args.model_revision, dtype=dtype,
         attn_implementation=model_args.attn_implementation or "sdpa",
     )  # fmt: skip
-    ring = {}
-    if ring_args.cp_size > 1 or ring_args.tiled_mlp_tokens:
-        ring = dict(
-            cp_size=ring_args.cp_size,
-            ulysses_size=ring_args.ulysses_size,
-            loss_chunk_size=ring_args.loss_chunk_size,
-            tiled_mlp_tokens=ring_args.tiled_mlp_tokens,
-        )
+    ring = ring_args.trainer_keywords()
     dataset = script.dataset_name or "synthetic-chat"
     trainer = (RingSFTTrainer if ring else SFTTrainer)(
         model=model,
@@ -117,19 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         **ring,
     )
     trainer.train()
-    if trainer.is_world_process_zero():
-        out = Path(config.output_dir)
-        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        layout = getattr(trainer, "ring_layout", None)
-        info = {
-            "world": trainer.accelerator.num_processes,
-            "dp": layout.dp_size if layout else trainer.accelerator.num_processes,
-            "cp": layout.cp_size if layout else 1,
-            "ulysses": layout.ulysses_size if layout else 1,
-            "distributed_type": str(trainer.accelerator.distributed_type),
-        }
-        (out / "run_info.json").write_text(json.dumps(info))
-    trainer.save_model(str(Path(config.output_dir) / "final"))
+    write_run_files(trainer, config.output_dir)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,13 @@ def test_zero3_recipe_script_matches_one_process(dpo, hf_root, tmp_path, deepspe
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     info = json.loads((out / "run_info.json").read_text())
-    assert info == {"world": 2, "dp": 1, "cp": 2, "distributed_type": "DistributedType.DEEPSPEED"}
+    assert info == {
+        "world": 2,
+        "dp": 1,
+        "cp": 2,
+        "ulysses": 1,
+        "distributed_type": "DistributedType.DEEPSPEED",
+    }
     ref = dpo["one-zero3"]
     assert "error" not in ref, ref["error"]
     history = json.loads((out / "log_history.json").read_text())
