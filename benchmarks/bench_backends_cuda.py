@@ -9,6 +9,9 @@ Prints markdown and writes JSON lines to ``--json``.
 
     python benchmarks/bench_backends_cuda.py --seq 16K,64K,128K --json out.jsonl
 
+``--device cpu`` runs the same cases on the CPU (wall-clock time, the resident set's rise for the
+extra memory; the cuDNN cases are left out): a dry run of the command, not a GPU figure.
+
 FLOPs (FlashAttention's convention): forward ``4 * S^2 * H * D / 2`` for a causal block, backward
 2.5x the forward, so fwd+bwd = ``7 * S^2 * H * D``.
 """
@@ -18,23 +21,38 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ringft.ops.backends import FlashAttnBackend, default_softmax_scale, get_backend
-from ringft.ops.emulate import emulate_zigzag_attention
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_attention_memory import _PeakRss  # noqa: E402
+from ringft.ops.backends import FlashAttnBackend, default_softmax_scale, get_backend  # noqa: E402
+from ringft.ops.dtypes import dtype_from_name  # noqa: E402
+from ringft.ops.emulate import emulate_zigzag_attention  # noqa: E402
 
 
 def _parse(text: str) -> list[int]:
     return [int(x[:-1]) * 1024 if x.endswith("K") else int(x) for x in text.split(",")]
 
 
-def _time(fn, repeats: int, warmup: int = 2) -> tuple[float, float]:
+def _time(fn, repeats: int, warmup: int = 2, device: torch.device | None = None) -> tuple[float, float]:
     """(median ms, extra peak GiB) of ``fn`` over ``repeats`` runs after ``warmup``."""
     for _ in range(warmup):
         fn()
+    if device is not None and device.type == "cpu":
+        base, times = _PeakRss.current(), []
+        with _PeakRss() as rss:
+            for _ in range(repeats):
+                tic = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - tic))
+        return statistics.median(times), (rss.peak - base) / 2**30
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -50,13 +68,17 @@ def _time(fn, repeats: int, warmup: int = 2) -> tuple[float, float]:
 
 
 def _inputs(seq: int, args: argparse.Namespace) -> list[torch.Tensor]:
-    """q, k, v, dout ``(1, seq, heads, head_dim)`` bf16 on the GPU, seeded."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    """q, k, v, dout ``(1, seq, heads, head_dim)`` on ``--device`` in ``--dtype``, seeded."""
+    gen = torch.Generator(device=args.device).manual_seed(0)
     heads = (args.heads, args.kv_heads, args.kv_heads, args.heads)
+    dtype = dtype_from_name(args.dtype)
     return [
-        torch.randn(1, seq, h, args.head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
-        for h in heads
+        torch.randn(1, seq, h, args.head_dim, device=args.device, generator=gen, dtype=dtype) for h in heads
     ]
+
+
+def _label(seq: int) -> str:
+    return f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
 
 
 def _ring(q, k, v, dout, world: int, backend: str):
@@ -103,40 +125,50 @@ def main() -> None:
     p.add_argument("--ring-seq", default="128K", help="lengths for the emulated ring ('' for none)")
     p.add_argument("--backends", default=None, help="comma-separated subset of torch,cudnn,flash_attn")
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run")
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
     args = p.parse_args()
-    dev = torch.device("cuda")
-    backends = ["torch", "cudnn"] + (["flash_attn"] if FlashAttnBackend.is_available() else [])
+    dev = torch.device(args.device)
+    cpu = dev.type == "cpu"
+    backends = (
+        ["torch"] if cpu else ["torch", "cudnn"] + (["flash_attn"] if FlashAttnBackend.is_available() else [])
+    )
     if args.backends:
         backends = [b for b in backends if b in args.backends.split(",")]
-    cudnn = torch.backends.cudnn.version()
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn}")
-    print(f"auto picks: {get_backend('auto', dev, torch.bfloat16, args.head_dim).name}")
+    if cpu:
+        print(f"CPU (dry run, not a GPU figure), torch {torch.__version__}")
+    else:
+        cudnn = torch.backends.cudnn.version()
+        print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn}")
+    print(f"auto picks: {get_backend('auto', dev, dtype_from_name(args.dtype), args.head_dim).name}")
     rows = []
     for seq in _parse(args.seq):
         q, k, v, dout = _inputs(seq, args)
         flops = 7 * seq**2 * args.heads * args.head_dim
         cases = {f"block {b}": _block(b, q, k, v, dout) for b in backends}
         cases["fused sdpa (flash, K/V expanded)"] = _fused(SDPBackend.FLASH_ATTENTION, q, k, v, dout, True)
-        cases["fused sdpa (cudnn, enable_gqa)"] = _fused(SDPBackend.CUDNN_ATTENTION, q, k, v, dout, False)
+        if not cpu:
+            cases["fused sdpa (cudnn, enable_gqa)"] = _fused(SDPBackend.CUDNN_ATTENTION, q, k, v, dout, False)
         for name, fn in cases.items():
             try:
-                ms, gib = _time(fn, args.repeats)
+                ms, gib = _time(fn, args.repeats, device=dev)
             except RuntimeError as exc:
                 print(f"{seq} {name}: failed: {str(exc).splitlines()[0][:200]}")
                 continue
             rows.append(dict(seq=seq, case=name, ms=ms, tflops=flops / ms / 1e9, extra_gib=gib))
-            print(f"| {seq // 1024}K | {name} | {ms:.1f} | {flops / ms / 1e9:.0f} | {gib:.2f} |", flush=True)
+            print(f"| {_label(seq)} | {name} | {ms:.1f} | {flops / ms / 1e9:.0f} | {gib:.2f} |", flush=True)
         del q, k, v, dout, cases
-        torch.cuda.empty_cache()
+        if not cpu:
+            torch.cuda.empty_cache()
     for seq in _parse(args.ring_seq) if args.ring_seq else []:
         q, k, v, dout = _inputs(seq, args)
         for b in backends:
             n = args.ring_world
-            ms, _ = _time(_ring(q, k, v, dout, n, b), args.repeats, warmup=1)
+            ms, _ = _time(_ring(q, k, v, dout, n, b), args.repeats, warmup=1, device=dev)
             flops = 7 * seq**2 * args.heads * args.head_dim
             rows.append(dict(seq=seq, case=f"ring N={n} emulated {b}", ms=ms, tflops=flops / ms / 1e9))
             print(
-                f"| {seq // 1024}K | ring N={n} (emulated) {b} | {ms:.1f} | {flops / ms / 1e9:.0f} | - |",
+                f"| {_label(seq)} | ring N={n} (emulated) {b} | {ms:.1f} | {flops / ms / 1e9:.0f} | - |",
                 flush=True,
             )
     if args.json:

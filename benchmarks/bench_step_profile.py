@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import time
 
@@ -42,11 +43,22 @@ def _config(layers: int):
     from transformers import LlamaConfig
 
     if os.environ.get("RINGFT_GPU_TINY") == "1":
-        shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     vocab_size=2048)
+        shape = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=2048,
+        )
     else:
-        shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                     vocab_size=128256, rope_theta=500000.0)
+        shape = dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            rope_theta=500000.0,
+        )
     return LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=524288, use_cache=False)
 
 
@@ -121,15 +133,25 @@ def run(mode: str, seq: int, layers: int, steps: int, backend: str, device: torc
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - tic)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    if device.type == "cuda":
+        peak_key, peak = "peak_alloc_gib", torch.cuda.max_memory_allocated() / 2**30
+    else:  # a CPU dry run: the process's resident-set high-water mark (both runs so far)
+        peak_key, peak = "peak_rss_gib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     prof = _profile(step, device)
     opt.zero_grad(set_to_none=True)
     del model, opt, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(mode=mode, seq=seq, layers=layers, backend=backend if mode == "ringft" else "sdpa",
-                tokens_per_s=seq / statistics.median(times[1:] or times), step_s=[round(t, 3) for t in times],
-                peak_alloc_gib=round(peak, 2), profile_ms=prof)
+    return dict(
+        mode=mode,
+        seq=seq,
+        layers=layers,
+        backend=backend if mode == "ringft" else "sdpa",
+        tokens_per_s=seq / statistics.median(times[1:] or times),
+        step_s=[round(t, 3) for t in times],
+        **{peak_key: round(peak, 2)},
+        profile_ms=prof,
+    )
 
 
 def main() -> None:
@@ -142,8 +164,12 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not dist.is_initialized():  # the ring's group: one process
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29533",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method="tcp://127.0.0.1:29533",
+            rank=0,
+            world_size=1,
+        )
     if device.type == "cuda":
         torch.cuda.set_device(0)
     rows = [run(mode, a.seq, a.layers, a.steps, a.backend, device) for mode in ("plain", "ringft")]

@@ -1,4 +1,4 @@
-"""Where the GPU memory of a ``ringft train`` run goes at its peak (CUDA only).
+"""Where the GPU memory of a ``ringft train`` run goes at its peak.
 
 Runs ``ringft train`` in this process with torch's CUDA allocator history recording on, then
 replays the recorded allocations and frees to find the moment of the largest allocated total and
@@ -13,7 +13,8 @@ Run (arguments after ``--`` go to ``ringft train``)::
 ``--cap-gib`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``), so a
 larger card behaves like a smaller one for "does it fit" questions. Writes ``peak.txt`` (the table)
 and ``peak_blocks.pickle.gz`` (the trace events of the blocks live at the peak, with their Python
-frames) to ``--out``.
+frames) to ``--out``. Without CUDA (a dry run of the command on a CPU) the run's resident-set
+high-water mark stands in for the trace: ``peak.txt`` then holds the result and that figure only.
 """
 
 from __future__ import annotations
@@ -80,6 +81,25 @@ def peak_table(live: dict[int, dict[str, Any]], top: int = 40) -> list[tuple[flo
     return sorted(rows, reverse=True)[:top]
 
 
+def _cpu_run(out: Path, train_args: list[str], ringft_main) -> None:
+    """No CUDA: run the same training, record the process's RSS high-water mark (``VmHWM``)."""
+    failure = None
+    try:
+        ringft_main(["train", *train_args])
+    except BaseException as error:
+        failure = f"{type(error).__name__}: {str(error)[:400]}"
+        traceback.print_exc()
+    with open("/proc/self/status") as fh:
+        hwm_kib = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+    lines = [
+        f"run: ringft train {' '.join(train_args)}",
+        f"result: {failure or 'finished'}",
+        f"events 0 (no CUDA: no allocator trace); process RSS high-water mark {hwm_kib / 2**20:.3f} GiB",
+    ]
+    (out / "peak.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -95,11 +115,13 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    train_args = [a for a in args.train_args if a != "--"]
+    if not torch.cuda.is_available():
+        return _cpu_run(out, train_args, ringft_main)
     total = torch.cuda.get_device_properties(0).total_memory
     if args.cap_gib:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
     torch.cuda.memory._record_memory_history(max_entries=args.max_entries, stacks="python")
-    train_args = [a for a in args.train_args if a != "--"]
     failure = None
     try:
         ringft_main(["train", *train_args])

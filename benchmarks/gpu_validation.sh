@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU validation stages (issue 25), run from the repo root on a CUDA machine; logs go to $OUT (default
+# GPU validation stages, run from the repo root on a CUDA machine; logs go to $OUT (default
 # outputs/gpu). Stages: env | kernels | bench | train SEQ BACKEND [EXTRA...] | baseline SEQ |
 # trace SEQ LAYERS [EXTRA...] (LoRA + offloaded activations, the peak's live tensors) |
 # sharded fsdp2|fsdp|zero3|zero3_offload SEQ LAYERS (full fine-tuning under that launch config) |
@@ -8,11 +8,25 @@
 # tiles (attention in query tiles: transient memory) | attnckpt (attention saved under checkpointing).
 #   bash benchmarks/gpu_validation.sh env kernels bench
 #   bash benchmarks/gpu_validation.sh train 32768 auto
-# RINGFT_GPU_TINY=1 shrinks the model and lengths so the script can be tried on a CPU.
+# RINGFT_GPU_TINY=1 shrinks the model. Without CUDA it is a dry run of the stages that
+# tools/gpu_session.sh runs (env, tiles, trace, attnckpt, sharded, ringeff, profile, train): the
+# lengths / 256 (at least 64 tokens), the CPU device, the torch backend and fp32 where a stage picks
+# the kernel, the resident set instead of CUDA memory statistics. It checks that the commands run;
+# its figures are not measurements.
 set -euo pipefail
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+DRY=0  # 1: RINGFT_GPU_TINY=1 on a machine without CUDA (a CPU dry run)
+if [ "${RINGFT_GPU_TINY:-0}" = 1 ] && ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  DRY=1
+  # DeepSpeed's CPU ops (CPU Adam) where the test suite builds them, unless the caller chose a folder
+  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
+fi
+# a length in tokens as given for the GPU; in a dry run / 256, at least 64
+tok() { if [ "$DRY" = 1 ]; then local t=$(( $1 / 256 )); echo $(( t < 64 ? 64 : t )); else echo "$1"; fi; }
+# the value $2 of an EXTRA option $1: in a dry run a *_tokens value through tok
+val() { if [ "$DRY" = 1 ] && [[ $1 == *_tokens ]]; then tok "$2"; else echo "$2"; fi; }
 if [ "${RINGFT_GPU_TINY:-0}" = 1 ]; then
   CONFIG="{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 524288, vocab_size: 2048}"
 else
@@ -36,7 +50,7 @@ while [ $# -gt 0 ]; do
   stage=$1; shift
   case $stage in
     env)
-      nvidia-smi || true
+      if command -v nvidia-smi > /dev/null; then nvidia-smi || true; else echo "no nvidia-smi (dry run: $DRY)"; fi
       python3 -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)"
       ;;
     exactness)
@@ -50,9 +64,9 @@ while [ $# -gt 0 ]; do
       python3 benchmarks/bench_backends_cuda.py --seq 16K,64K,128K --ring-seq 128K --json "$OUT/backends.jsonl"
       ;;
     train)
-      seq=$1 backend=$2; shift 2
+      seq=$(tok "$1") backend=$2; shift 2
       extra=()
-      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$2"); shift 2; done
+      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$(val "$1" "$2")"); shift 2; done
       tag=train-$seq-$backend-$(echo "${extra[*]:-}" | tr -c 'a-z0-9' '_' | cut -c1-40)
       dir=/tmp/ringft-$tag
       rm -rf "$dir"
@@ -74,41 +88,59 @@ while [ $# -gt 0 ]; do
       python3 benchmarks/bench_train_gpu.py baseline --seq "$seq" --steps 4
       ;;
     trace)
-      seq=$1 layers=$2; shift 2
+      seq=$(tok "$1") layers=$2; shift 2
       extra=()
-      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$2"); shift 2; done
+      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$(val "$1" "$2")"); shift 2; done
       tag=trace-$seq-L$layers
       rm -rf "/tmp/ringft-$tag"
       python3 benchmarks/gpu_memory_trace.py --out "$OUT/$tag" --cap-gib "${CAP_GIB:-79.6}" -- \
         recipes/demo_cpu.yaml --model.config "$(shape "$layers" 128256)" "${COMMON[@]}" \
         --data.synthetic "{task: repeat, num_examples: 4}" --data.seq_len "$seq" --train.max_steps 1 \
-        --train.tiled_mlp_tokens 4096 --train.offload_activations true \
+        --train.tiled_mlp_tokens "$(tok 4096)" --train.offload_activations true \
         --lora "{r: 16, target_modules: $TARGETS}" --checkpoint.output_dir "/tmp/ringft-$tag" \
         "${extra[@]}" > "$OUT/$tag.log" 2>&1 || echo "$tag FAILED (see log)"
       grep -E "^(result|events)" "$OUT/$tag/peak.txt" 2>/dev/null || tail -5 "$OUT/$tag.log"
       rm -rf "/tmp/ringft-$tag"
       ;;
     ringeff)
+      if [ "$DRY" = 1 ]; then
+        python3 benchmarks/bench_backends_cuda.py --device cpu --dtype fp32 --backends torch --seq 512,1024 \
+          --ring-seq 512,1024 --ring-world 8 --heads 4 --kv-heads 2 --head-dim 32 --repeats 1 \
+          --json "$OUT/ringeff.jsonl"
+        continue
+      fi
       python3 benchmarks/bench_backends_cuda.py --seq "${RING_SEQ:-64K,128K,256K}" --ring-seq "${RING_SEQ:-64K,128K,256K}" \
         --ring-world 8 --backends cudnn --repeats 3 --json "$OUT/ringeff.jsonl" 2>&1 | grep -v Warning
       ;;
     profile)
-      seq=$1 layers=$2; shift 2
+      seq=$(tok "$1") layers=$2; shift 2
+      [ "$DRY" = 1 ] && layers=2
       python3 benchmarks/bench_step_profile.py --seq "$seq" --layers "$layers" --json "$OUT/profile.jsonl" 2>&1 \
         | grep -E '^\{|Error' || true
       ;;
     tiles)
+      if [ "$DRY" = 1 ]; then
+        python3 benchmarks/bench_attention_tiles.py --device cpu --backend torch --dtype fp32 --seq 256,512 \
+          --tiles 64,128 --heads 4 --kv-heads 2 --head-dim 32 --repeats 1 2>&1 | tail -15
+        continue
+      fi
       python3 benchmarks/bench_attention_tiles.py --device cuda --backend cudnn --dtype bf16 --seq 64K,128K,256K \
         --tiles 4096,16384 --heads 32 --kv-heads 8 --head-dim 128 2>&1 | tail -15
       ;;
     attnckpt)
+      if [ "$DRY" = 1 ]; then
+        python3 benchmarks/bench_attention_checkpoint.py --device cpu --dtype fp32 --seq 512 --hidden 64 \
+          --heads 4 --kv-heads 2 --intermediate 128 --layers 2 --vocab 2048 --warmup 1 --steps 1 --threads 1 \
+          2>&1 | tail -15
+        continue
+      fi
       python3 benchmarks/bench_attention_checkpoint.py --device cuda --dtype bf16 --seq 131072 --hidden 4096 \
         --heads 32 --kv-heads 8 --intermediate 14336 --layers 2 --vocab 32000 --steps 3 2>&1 | tail -15
       ;;
     sharded)
-      kind=$1 seq=$2 layers=$3; shift 3
+      kind=$1 seq=$(tok "$2") layers=$3; shift 3
       extra=()
-      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$2"); shift 2; done
+      while [ $# -gt 0 ] && [[ $1 == --* ]]; do extra+=("$1" "$(val "$1" "$2")"); shift 2; done
       case $kind in
         fsdp2) cfg=fsdp2.yaml ;; fsdp) cfg=fsdp.yaml ;; zero3) cfg=deepspeed_zero3.yaml ;;
         zero3_offload) cfg=deepspeed_zero3_offload.yaml ;; *) echo "unknown $kind"; exit 2 ;;

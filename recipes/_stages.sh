@@ -73,7 +73,7 @@ _stage_exec() {
 run_stages() {
     # Long sequences fragment torch's caching allocator: at 384K tokens on an H200 it held 13.8 GiB
     # reserved but unallocated when a step ran out of memory; expandable segments cut that to
-    # 0.17 GiB (benchmarks/RESULTS.md, "GPU validation, second session"). A value the user set wins.
+    # 0.17 GiB (benchmarks/RESULTS.md, "Planner against measured memory"). A value the user set wins.
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     local config=${ACCELERATE_CONFIG:-$DEFAULT_CONFIG}
     local -a launch_args=()

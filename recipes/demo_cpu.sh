@@ -15,7 +15,7 @@ OUT=outputs/demo
 BASE=ringft/assets/demo_base
 if [[ ! -f "$BASE/model.safetensors" ]]; then
   echo "demo_cpu.sh: error: the base model $BASE is missing: restore it from git, or rebuild it with" \
-    "'python benchmarks/train_demo_base.py' (~40 min on one core)" >&2
+    "'python recipes/demo/train_base.py' (~40 min on one core)" >&2
   exit 2
 fi
 source recipes/setup_cpu_env.sh base

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/setup_cpu_env.sh dev
-ruff check ringft tests benchmarks data_prep
+ruff check ringft tests benchmarks data_prep recipes
 python -m pytest -q tests "$@"
 if [ "${RINGFT_NUMERICS2:-1}" != "0" ]; then
   echo "--- numerics tests again under MKL SSE4_2 / oneDNN SSE41 / ATen default kernels ---"

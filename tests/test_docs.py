@@ -3,7 +3,8 @@ as the package changes, and a renamed module or file must not leave a stale poin
 
 Checked on every page: each relative link resolves (a file or folder; a ``#anchor`` names a heading
 of the target page, by GitHub's slug rule); each repository path written in the text
-(``ringft/...``, ``tests/...``, ``recipes/...``, ``benchmarks/...``, ``data_prep/...``, ``docs/...``)
+(``ringft/...``, ``tests/...``, ``recipes/...``, ``benchmarks/...``, ``data_prep/...``, ``docs/...``,
+``tools/...``)
 exists; each dotted ``ringft.x.y`` name imports (a module, or an attribute of one); and no page
 points outside the repository (a machine path, a design file).
 """
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-TOP = ("ringft", "tests", "recipes", "benchmarks", "data_prep", "docs", ".ci")
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "RESULTS.md"]
+TOP = ("ringft", "tests", "recipes", "benchmarks", "data_prep", "docs", "tools", ".ci")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/[\w./<>{}*-]*)")
 _DOTTED = re.compile(r"(?<![\w./-])(ringft(?:\.\w+)+)")

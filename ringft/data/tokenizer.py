@@ -173,8 +173,8 @@ def load_demo_lines_tokenizer() -> PreTrainedTokenizerFast:
     Why: a 2-layer model retrieves by copying what followed a match (induction). Here the answer's
     first chunk follows the asked noun's question token in the same way the line's first chunk
     follows its noun's line token, and the second chunk follows the first in both places, so every
-    answer token is one step of induction (benchmarks/RESULTS.md, "CPU demo base model"). Ids
-    0..len(demo)-1 are the demo tokenizer's.
+    answer token is one step of induction (benchmarks/history.md, "How the base model was made to
+    retrieve"). Ids 0..len(demo)-1 are the demo tokenizer's.
     """
     from tokenizers import AddedToken
 

@@ -4,7 +4,7 @@ An RMSNorm on bf16 activations computes in fp32: transformers' ``LlamaRMSNorm`` 
 of its input for the backward (``4 h`` bytes per token), and its backward holds five fp32
 ``(tokens, h)`` temporaries at once (the product's input grad, the mean's expanded grad, ``pow``'s
 ``x``, ``2 x`` and ``grad * 2 x``), measured on an H200 as the largest moment of a LoRA step with
-offloaded activations (benchmarks/RESULTS.md, "GPU validation, second session"). Tiled
+offloaded activations (benchmarks/RESULTS.md, "Planner against measured memory"). Tiled
 (:mod:`ringft.model.token_tiles`), the norm keeps only views of its input and recomputes each tile
 in the backward, so those tensors exist for one tile of ``tile_tokens`` at a time: per norm
 ``4 h + 4`` bytes per token fewer saved, and ``5 * 4 h`` per token of the backward's temporaries

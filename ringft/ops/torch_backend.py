@@ -75,7 +75,7 @@ class TorchBackend:
         1024, against 59-63 for rectangles of >= 256 keys. So on CPU the block is cut into aligned
         tiles of 64 tokens, all in one batched masked call (:meth:`forward_masked`), plus rectangles
         by recursive halving: about 32 wasted keys per query. Tiles of 128 measured the same at 16
-        documents of 16K tokens and 6 % slower at 256 (benchmarks/RESULTS.md, packed documents).
+        documents of 16K tokens and 6 % slower at 256 (benchmarks/history.md, packed documents).
         CUDA kernels skip masked tiles at a finer grain: one call per document.
         """
         return CPU_CAUSAL_TILE if q.device.type == "cpu" else None

@@ -62,8 +62,9 @@ Modules: :mod:`~ringft.planner.shapes` (model shapes, presets), :mod:`~ringft.pl
 :mod:`~ringft.planner.states` (the model states), :mod:`~ringft.planner.kernel` (the attention kernel's),
 :mod:`~ringft.planner.plan` (:func:`plan_memory`), :mod:`~ringft.planner.search` (layouts,
 recommendation, longest sequence, fixes when nothing fits), :mod:`~ringft.planner.report` (text),
-:mod:`~ringft.planner.cli` (``ringft plan``), :mod:`~ringft.planner.timing` (step-time model of the
-ring, Ulysses and hybrid layouts) and :mod:`~ringft.planner.timing_report` (``ringft plan --time``).
+:mod:`~ringft.planner.cli` (``ringft plan``), :mod:`~ringft.planner.capacity` (``ringft plan
+--capacity-table``), :mod:`~ringft.planner.timing` (step-time model of the ring, Ulysses and hybrid
+layouts) and :mod:`~ringft.planner.timing_report` (``ringft plan --time``).
 """
 
 from ringft.planner.cli import plan_main

@@ -7,11 +7,13 @@ import argparse
 import copy
 import json
 import shlex
+import sys
 from functools import partial
 from typing import Any
 
 from ringft.ops.backends import BACKENDS
 from ringft.ops.sharding import zigzag_length_problem, zigzag_padded_length
+from ringft.planner.capacity import capacity_main
 from ringft.planner.recipe_out import recipe_text, write_recipe
 from ringft.planner.report import format_layouts, format_plan
 from ringft.planner.search import Fix, fixes_that_fit, max_seq_len_that_fits, plan_layouts, recommend
@@ -129,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="let --write-recipe overwrite an existing file")
     p.add_argument("--rope-theta", type=float, help="model.rope_theta of the written recipe (memory: none)")
     add_time_arguments(p)
+    p.add_argument(
+        "--capacity-table",
+        action="store_true",
+        help="print the longest trainable sequence of Llama-3.2-1B / Llama-3-8B shapes per option set, "
+        "on 1 GPU and on 8 (takes only --gpu-mem, default 79.6, and --out FILE to append it)",
+    )
     return p
 
 
@@ -273,6 +281,9 @@ def plan_main(argv: list[str] | None = None) -> int:
     that fits; when nothing fits, the cheapest flags that would make it fit. Returns 0 when some
     layout fits, 1 when none does, 2 on bad arguments (one line naming each bad value and the fix).
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if "--capacity-table" in argv:
+        return capacity_main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     problems = _argument_problems(args)

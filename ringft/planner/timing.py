@@ -67,8 +67,8 @@ __all__ = [
     "step_time",
 ]
 
-#: H100 bf16, heads 32 / kv 8 / dim 128, batch 1, backend torch (benchmarks/RESULTS.md, "Attention
-#: on the GPU (H100)"): ``(S, N, ms per rank fwd+bwd)``; ``N = 1`` is one fused causal call, ``N > 1``
+#: H100 bf16, heads 32 / kv 8 / dim 128, batch 1, backend torch (benchmarks/RESULTS.md, "Ring
+#: attention on the GPU"): ``(S, N, ms per rank fwd+bwd)``; ``N = 1`` is one fused causal call, ``N > 1``
 #: the emulated ring (sum over ranks / N).
 H100_ATTENTION: tuple[tuple[int, int, float], ...] = (
     (16384, 1, 24.7),
@@ -83,8 +83,8 @@ H100_ATTENTION: tuple[tuple[int, int, float], ...] = (
 #: The ``torch`` block kernel's fitted rate (H100_ATTENTION: every point within 2 %).
 TORCH_ATTN_TFLOPS = 320.0
 
-#: Recorded H100 ``ringft train`` steps (benchmarks/RESULTS.md, "`ringft train` end to end,
-#: Llama-3-8B shape, one H100"): Llama-3-8B, one GPU, LoRA r16 on the 7 projections, checkpointing,
+#: Recorded H100 ``ringft train`` steps (benchmarks/RESULTS.md, "`ringft train` on
+#: one GPU"): Llama-3-8B, one GPU, LoRA r16 on the 7 projections, checkpointing,
 #: chunked loss, ``cudnn`` attention: ``(S, tiled MLP tokens or 0, seconds per step)`` from the
 #: recorded tokens/s (4598 at 32K, 2204 at 128K).
 H100_STEPS: tuple[tuple[int, int, float], ...] = ((32768, 0, 32768 / 4598), (131072, 4096, 131072 / 2204))

@@ -20,7 +20,7 @@ allocated, so that length needs at least their sum. The live blocks at the 13107
 grouped by the tensor they are (python frames of the trace), are pinned term by term.
 
 H100 rows (2026-11-25; NVIDIA H100 80 GB, same versions; 32 layers, no activation offload,
-``max_memory_allocated`` over 4 steps): benchmarks/RESULTS.md, "GPU validation (H100, 2026-11-25)".
+``max_memory_allocated`` over 4 steps): benchmarks/RESULTS.md, "Planner against measured memory".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The CPU demo: its recipes, the shipped base model they start from, and the before/after report.
 
 Fast and local: nothing is trained here (retraining the base model is a benchmark,
-benchmarks/train_demo_base.py). The shipped model is tied to its recipe by the recipe copy the
+recipes/demo/train_base.py). The shipped model is tied to its recipe by the recipe copy the
 trainer exported next to the weights and by the weights' recorded SHA-256.
 """
 
@@ -37,7 +37,7 @@ BASE_RECIPE = RECIPES / "demo" / "base.yaml"
 EXTEND_RECIPE = RECIPES / "demo" / "extend.yaml"
 DEMO_SCRIPT = RECIPES / "demo_cpu.sh"
 # SHA-256 of the shipped ringft/assets/demo_base/model.safetensors, printed by
-# benchmarks/train_demo_base.py when it installs a retrained model (update both together).
+# recipes/demo/train_base.py when it installs a retrained model (update both together).
 SHIPPED_SHA256 = "7559d16a53976205f4d3bb4eb5fa0d69fe4f24ac66fdafbc9c5a7a266e72380d"
 
 
@@ -140,7 +140,7 @@ def test_shipped_base_matches_its_recipe():
     (recipes/demo/base_induction.yaml), the recipe of stage 0b (ringft_recipe.json, written by the
     trainer), the demo-lines tokenizer, and the recorded SHA-256."""
     if not (BASE_DIR / "model.safetensors").is_file():
-        pytest.skip("ringft/assets/demo_base is not shipped yet: build it with benchmarks/train_demo_base.py")
+        pytest.skip("ringft/assets/demo_base is not shipped yet: build it with recipes/demo/train_base.py")
     warmup = yaml.safe_load(WARMUP_RECIPE.read_text())
     config = json.loads((BASE_DIR / "config.json").read_text())
     for key, value in warmup["model"]["config"].items():
@@ -197,7 +197,7 @@ def test_demo_script_evaluates_before_and_after_on_the_ring(tmp_path):
     (root / "ringft" / "assets" / "demo_base" / "model.safetensors").unlink()
     missing = run_script(root, DEMO_SCRIPT.name)
     assert missing.returncode == 2 and missing.commands == []
-    assert "demo_base is missing" in missing.stderr and "train_demo_base.py" in missing.stderr
+    assert "demo_base is missing" in missing.stderr and "train_base.py" in missing.stderr
 
 
 # -- multi-question training records ---------------------------------------------------------------

@@ -5,11 +5,11 @@ gradients of one replica, and the step's loss scale turns FSDP's average over th
 one-process gradient.
 
 accelerate runs FSDP only on accelerators (the mixin refuses an FSDP launch on CPU rather than
-train unsharded), so the Trainer + accelerate FSDP launch (recipes/accelerate/fsdp2.yaml) is on the
-GPU checklist (benchmarks/RESULTS.md). Here the pieces the Trainer runs are driven directly, on 2
-ranks (dp=1 x cp=2), 2 micro-steps of 2 right-padded rows each, without ``no_sync`` (the mixin sets
-``sync_each_batch`` under FSDP: every micro-step reduce-scatters, a rank never holds unsharded
-gradients): the batches sharded by ``shard_collated_batch``, the step's count from
+train unsharded), so the Trainer + accelerate FSDP launch (recipes/accelerate/fsdp2.yaml) is listed
+in benchmarks/RESULTS.md, "Not yet measured on a GPU". Here the pieces the Trainer runs are driven
+directly, on 2 ranks (dp=1 x cp=2), 2 micro-steps of 2 right-padded rows each, without ``no_sync``
+(the mixin sets ``sync_each_batch`` under FSDP: every micro-step reduce-scatters, a rank never holds
+unsharded gradients): the batches sharded by ``shard_collated_batch``, the step's count from
 ``exchange_step_counts``, the loss through the wrapped model (``ring_loss``) times ``loss_scale``.
 
 Oracle: the unmodified model on one process, the 4 rows in one batch, full logits. Tolerance (as

@@ -86,7 +86,7 @@ def make_multi_question_example(
     uniformly, with replacement, so one sequence supervises several retrievals. Replacement matters:
     the number just before a question (the last line's, or the previous answer's) must be the answer
     as often as any other; drawn without replacement it never was after the first block, and the
-    model learned to skip it (0/8 at depth 100%, benchmarks/RESULTS.md). Even so a 2-layer model
+    model learned to skip it (0/8 at depth 100%, benchmarks/history.md). Even so a 2-layer model
     keeps missing the line right before the question, so the first block asks the last line with
     probability ``LAST_LINE_SHARE`` (then uniformly): as often as eval-lines' depth 1.0 asks it.
     ``n`` is drawn uniformly from 1 to the most lines that fit with one question (a curriculum from
@@ -225,7 +225,7 @@ def make_repeat_example(tokenizer: Any, seq_len: int, seed: int) -> dict[str, li
 
     Predicting the copy means finding the current token earlier and reading what followed it: the
     induction circuit. A fresh tiny model forms it here in ~1000 steps, and line retrieval (which
-    needs it) then trains in a few thousand instead of not at all (benchmarks/RESULTS.md).
+    needs it) then trains in a few thousand instead of not at all (benchmarks/history.md).
     """
     bos = tokenizer.bos_token_id
     if bos is None:

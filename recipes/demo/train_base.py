@@ -1,14 +1,14 @@
 """Retrain the CPU demo's base model and refresh ringft/assets/demo_base.
 
-A benchmark, not a test (~40 min on one CPU core): it runs the two stages in one process with one
+Not a test (~40 min on one CPU core): it runs the two stages in one process with one
 thread each (recipes/demo/base_induction.yaml: induction warm-up on repeated random runs, then
 recipes/demo/base.yaml: line retrieval at 128 tokens), evaluates line retrieval at the trained
 length (128) and at 4x (512) on 2 processes, and copies the exported model (weights, config,
 tokenizer, ``ringft_recipe.json``) into the assets folder. It prints the new weights' SHA-256;
 tests/recipes/test_demo.py records the shipped one::
 
-    python benchmarks/train_demo_base.py            # train, evaluate, install into ringft/assets
-    python benchmarks/train_demo_base.py --dry-run  # print the commands only
+    python recipes/demo/train_base.py            # train, evaluate, install into ringft/assets
+    python recipes/demo/train_base.py --dry-run  # print the commands only
 
 The run is seeded (``train.seed``); the same machine and library versions give the same weights.
 """
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STAGES = ("recipes/demo/base_induction.yaml", "recipes/demo/base.yaml")
 ASSETS = REPO / "ringft" / "assets" / "demo_base"
 SHIPPED_FILES = (

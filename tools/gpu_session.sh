@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One lent-GPU session's runs, in order of value, within a deadline: each stage starts
-# only if its expected time is left, and runs under what is left. Logs and the traces are packed
-# into two archives under $OUT (the device tool returns at most 8 files).
-#   DEADLINE_S=540 bash benchmarks/gpu_session.sh
+# One lent-GPU session's runs (stages of benchmarks/gpu_validation.sh), in order of value, within a
+# deadline: each stage starts only if its expected time is left, and runs under what is left. Logs
+# and the traces are packed into two archives under $OUT (the device tool returns at most 8 files).
+#   DEADLINE_S=540 bash tools/gpu_session.sh
+# Dry run on a CPU (tiny model, lengths / 256, every stage; checks the commands, measures nothing):
+#   RINGFT_GPU_TINY=1 DEADLINE_S=600 bash tools/gpu_session.sh
 set -uo pipefail
 OUT=${OUT:-outputs/gpu}
 export OUT
@@ -10,6 +12,7 @@ mkdir -p "$OUT"
 end=$(( $(date +%s) + ${DEADLINE_S:-540} ))
 stage() {
   local need=$1; shift
+  [ "${RINGFT_GPU_TINY:-0}" = 1 ] && need=5  # the expected times are the GPU's
   local left=$(( end - $(date +%s) ))
   if [ "$left" -lt "$need" ]; then echo "SKIP $* ($left s left, needs ~$need)"; return; fi
   local start; start=$(date +%s)
