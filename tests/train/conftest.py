@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from ringft.utils.spawn import run_distributed
-from tests.train.hf_runs import phased_worker, spec, tiny_model_dir, zero3_argv
+from tests.train.hf_runs import (
+    NEW_USER_SFT,
+    NEW_USER_SFT_TRL_DEFAULTS,
+    phased_worker,
+    spec,
+    tiny_model_dir,
+    zero3_argv,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SPAWN_TIMEOUT = 600.0
@@ -106,6 +113,8 @@ def hf_two(hf_root) -> dict[str, dict]:
             "one-lora": spec(f"{r}/one-lora", lora=True),
             "one-moe": spec(f"{r}/one-moe", moe=True, evaluate=True),
             "inert": spec(f"{r}/inert", mixin=True, cp=1),
+            "one-sft-user": spec(f"{r}/one-sft-user", **NEW_USER_SFT),
+            "one-sft-user-bf16": spec(f"{r}/one-sft-user-bf16", **NEW_USER_SFT_TRL_DEFAULTS),
             "zero3-one": spec(
                 f"{r}/z1", kind="script", argv=zero3_argv(str(r / "tiny"), str(r / "zero3-one"))
             ),
@@ -121,6 +130,8 @@ def hf_two(hf_root) -> dict[str, dict]:
         "cp-ga": spec(f"{r}/cp-ga", **ring, mb=1, ga=2, gc=True, attn="save"),
         "cp-epoch": spec(f"{r}/cp-epoch", **ring, steps=0, rows=21),
         "cp-sft": spec(f"{r}/cp-sft", kind="sft", **ring, evaluate=True),
+        "cp-sft-user": spec(f"{r}/cp-sft-user", **ring, **NEW_USER_SFT),
+        "cp-sft-user-bf16": spec(f"{r}/cp-sft-user-bf16", **ring, **NEW_USER_SFT_TRL_DEFAULTS),
         "cp-lora": spec(f"{r}/cp-lora", **ring, lora=True),
         "cp-moe": spec(f"{r}/cp-moe", **ring, moe=True, evaluate=True),
         "cp-left-padded": spec(f"{r}/cp-left", **ring, collate="left"),
@@ -138,7 +149,7 @@ def hf_two(hf_root) -> dict[str, dict]:
 
 @pytest.fixture(scope="session")
 def hf_four(hf_root) -> dict[str, dict]:
-    """The 4-process spawn: the dp2 x cp2 ring runs, and cp 4 = ulysses 2 x ring 2 (dp 1)."""
+    """The 4-process spawn: the dp2 x cp2 ring runs, cp 4 = ulysses 2 x ring 2 (dp 1) and a ring of 4."""
     r, ring, hybrid = hf_root, dict(mixin=True, cp=2), dict(mixin=True, cp=4, ulysses=2)
     runs = {
         "dp-cp": spec(f"{r}/dp-cp", **ring, evaluate=True, predict=True),
@@ -146,6 +157,7 @@ def hf_four(hf_root) -> dict[str, dict]:
         "dp-cp-epoch": spec(f"{r}/dp-cp-epoch", **ring, steps=0, rows=21),
         "ulysses": spec(f"{r}/ulysses", **hybrid, evaluate=True, predict=True),
         "ulysses-sft": spec(f"{r}/ulysses-sft", kind="sft", **hybrid, evaluate=True),
+        "cp4-sft-user": spec(f"{r}/cp4-sft-user", mixin=True, cp=4, **NEW_USER_SFT),
     }
     results = run_distributed(
         phased_worker, 4, [], list(runs.values()), str(r / "store4"), timeout=SPAWN_TIMEOUT

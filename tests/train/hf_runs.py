@@ -3,9 +3,10 @@ for the tests of tests/train/test_hf_trainer.py (module level: run_distributed i
 
 A run is a dict (:func:`spec`); :func:`run` builds the tiny LLaMA, the data and the trainer it
 describes, trains / evaluates / predicts and returns what the tests compare: the logged losses,
-grad norms and epochs, the step counts, the weights before and after (rank 0), eval loss,
-predictions. The model is a 2-layer LLaMA (hidden 32, GQA 4:2) over the shipped demo tokenizer
-(VOCAB = 1658 tokens), fp32, seeded: every run of the same seed starts from the same weights.
+grad norms and epochs, the step counts, the weights before and after and the first step's
+gradients (rank 0), eval loss, predictions. The model is a 2-layer LLaMA (hidden 32, GQA 4:2;
+``model_kw`` changes its config) over the shipped demo tokenizer (VOCAB = 1658 tokens), fp32,
+seeded: every run of the same seed starts from the same weights.
 
 Runs that belong together share one spawn (:func:`phased_worker`): each process first runs its
 one-process references with the default process group torn down (``WORLD_SIZE=1``), then the
@@ -33,6 +34,29 @@ STEPS = 4
 # The tolerances of tests/train/test_hf_trainer.py (derived in its docstring).
 LOSS_RTOL = (TOKENS_PER_STEP + VOCAB) * EPS32
 UPDATE_RTOL = STEPS * LOSS_RTOL
+# The longest chain of fp32 sums behind one logit, in the largest model and row here (NEW_USER_SFT:
+# hidden 64, intermediate 128, a padding-free row of 2 x 96 tokens): per layer q/k/v (hidden), the
+# attention (<= 192 keys), o_proj (hidden), gate/up (hidden), down (intermediate); then lm_head.
+PATH = 2 * (64 + 192 + 64 + 64 + 128) + 64
+GRAD_RTOL = (2 * PATH + VOCAB + TOKENS_PER_STEP) * EPS32
+# TRL's SFTConfig as a new user writes it (SFTTrainer docs, packing): a tiny eager-attention LLaMA,
+# 40 pre-tokenized documents of 6-40 tokens over the whole vocabulary (pad / bos / eos ids included),
+# packed into rows of 96, a constant learning rate. fp32 here; NEW_USER_SFT_TRL_DEFAULTS keeps TRL's
+# defaults for precision and checkpointing too (bf16 autocast, also on CPU; gradient checkpointing).
+NEW_USER_SFT = dict(
+    kind="sft",
+    model_kw=dict(hidden_size=64, intermediate_size=128, attn_implementation="eager"),
+    rows=40,
+    doc_len=(6, 40),
+    full_vocab=True,
+    args=dict(
+        max_length=96, learning_rate=2e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0
+    ),
+)
+NEW_USER_SFT_TRL_DEFAULTS = {
+    **NEW_USER_SFT,
+    "args": {**NEW_USER_SFT["args"], "bf16": None, "activation_checkpointing": None},
+}
 TIMEOUT = 240.0
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 
@@ -44,7 +68,10 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
     (activation checkpointing), ``attn`` (the mixin's attention_checkpoint), ``lora``, ``avg``
     (average_tokens_across_devices), ``save`` (save_steps), ``resume`` (a checkpoint folder),
     ``evaluate``, ``predict``, ``collate`` (right | left padding), ``rows`` (training examples),
-    ``moe`` (a tiny Qwen3-MoE with its router load-balancing loss on instead of the LLaMA)."""
+    ``moe`` (a tiny Qwen3-MoE with its router load-balancing loss on instead of the LLaMA), ``model_kw``
+    (LlamaConfig overrides), ``args`` (TrainingArguments / SFTConfig overrides; None: the class's
+    default), ``doc_len`` (the SFT documents' shortest and longest length), ``full_vocab`` (SFT
+    document ids over the whole vocabulary instead of 3..299)."""
     base = dict(
         kind="trainer",
         mixin=False,
@@ -64,6 +91,10 @@ def spec(out: str, **kw: Any) -> dict[str, Any]:
         collate="right",
         rows=48,
         moe=False,
+        model_kw={},
+        args={},
+        doc_len=(5, 30),
+        full_vocab=False,
         argv=None,
         out=out,
     )
@@ -109,11 +140,12 @@ def tiny_moe(tok) -> torch.nn.Module:
     return model
 
 
-def tiny_model(tok, lora: bool) -> torch.nn.Module:
+def tiny_model(tok, lora: bool, **overrides: Any) -> torch.nn.Module:
+    """The tiny LLaMA (``overrides``: LlamaConfig keywords), peft LoRA on q/v if ``lora``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(
+    config = dict(
         vocab_size=len(tok),
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
@@ -125,7 +157,7 @@ def tiny_model(tok, lora: bool) -> torch.nn.Module:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(LlamaConfig(**{**config, **overrides}))
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -133,14 +165,16 @@ def tiny_model(tok, lora: bool) -> torch.nn.Module:
     return model
 
 
-def examples(n: int, seed: int, low: int, high: int, prompts: bool) -> list[dict[str, list[int]]]:
-    """``n`` random-token examples of ``low..high`` tokens (ids 3..299: no specials); ``prompts``:
-    labels mask a random prefix (-100)."""
+def examples(
+    n: int, seed: int, low: int, high: int, prompts: bool, vocab: int | None = None
+) -> list[dict[str, list[int]]]:
+    """``n`` random-token examples of ``low..high`` tokens (ids 3..299: no specials; with ``vocab``,
+    0..vocab-1); ``prompts``: labels mask a random prefix (-100)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         length = int(torch.randint(low, high + 1, (1,), generator=gen))
-        ids = torch.randint(3, 300, (length,), generator=gen).tolist()
+        ids = torch.randint(*((0, vocab) if vocab else (3, 300)), (length,), generator=gen).tolist()
         row = {"input_ids": ids}
         if prompts:
             k = int(torch.randint(0, length // 2, (1,), generator=gen))
@@ -191,17 +225,42 @@ def _trainer(s: dict[str, Any], tok, model) -> Any:
         from trl import SFTConfig, SFTTrainer
 
         base = SFTTrainer
-        args = SFTConfig(**common, packing=True, max_length=64, eval_packing=False, bf16=False)
-        train = datasets.Dataset.from_list(examples(s["rows"], 7, 5, 30, prompts=False))
+        sft = dict(packing=True, max_length=64, eval_packing=False, bf16=False)
+        args = SFTConfig(**_given({**common, **sft, **s["args"]}))
+        vocab = len(tok) if s["full_vocab"] else None
+        train = datasets.Dataset.from_list(examples(s["rows"], 7, *s["doc_len"], prompts=False, vocab=vocab))
         data = dict(train_dataset=train, eval_dataset=evals.remove_columns("labels"), processing_class=tok)
     else:
         base = Trainer
-        args = TrainingArguments(**common)
+        args = TrainingArguments(**_given({**common, **s["args"]}))
         train = datasets.Dataset.from_list(examples(s["rows"], 1234, 20, 64, prompts=True))
         collate = _left_padding(tok) if s["collate"] == "left" else DataCollatorForSeq2Seq(tok)
         data = dict(train_dataset=train, eval_dataset=evals, data_collator=collate, processing_class=tok)
     cls = type("RingTrainer", (RingTrainerMixin, base), {}) if s["mixin"] else base
     return cls(model=model, args=args, **data, **kwargs)
+
+
+def _given(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the None values (the arguments class's defaults apply)."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _first_step_gradients(store: dict[str, Any]) -> Any:
+    """A TrainerCallback that copies the trainable parameters' gradients into ``store`` (numpy, by
+    name as :func:`_weights`) just before the first optimizer step: reduced over the ranks and
+    clipped, what the optimizer sees."""
+    from transformers import TrainerCallback
+
+    from ringft.model.unwrap import pretrained_model
+
+    class FirstStepGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 0 and not store:
+                for name, p in pretrained_model(model).named_parameters():
+                    if p.requires_grad and p.grad is not None:
+                        store[name] = p.grad.detach().float().cpu().numpy().copy()
+
+    return FirstStepGradients()
 
 
 def _weights(model) -> dict[str, Any]:
@@ -240,10 +299,12 @@ def run(s: dict[str, Any]) -> dict[str, Any]:
 
         return fsdp_steps()
     tok = tokenizer()
-    model = tiny_moe(tok) if s["moe"] else tiny_model(tok, s["lora"])
+    model = tiny_moe(tok) if s["moe"] else tiny_model(tok, s["lora"], **s["model_kw"])
     trainer = _trainer(s, tok, model)
+    grads: dict[str, Any] = {}
+    trainer.add_callback(_first_step_gradients(grads))
     initial = _weights(trainer.model)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"bf16": bool(trainer.args.bf16)}
     if s["steps"] is not None:
         result = trainer.train(resume_from_checkpoint=s["resume"])
         logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -266,7 +327,7 @@ def run(s: dict[str, Any]) -> dict[str, Any]:
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        out.update(initial=initial, final=_weights(trainer.model))
+        out.update(initial=initial, final=_weights(trainer.model), grads=grads)
     return out
 
 
@@ -284,6 +345,24 @@ def assert_updates_close(final: dict, reference: dict, initial: dict, rtol: floa
             f"update of {name} differs by {diff / moved if moved else diff:.3e} (rtol {rtol:.1e})"
         )
     assert sorted(final) == sorted(reference) and moved_any, "the reference run did not change any weight"
+
+
+def assert_gradients_close(got: dict, reference: dict, rtol: float) -> None:
+    """Per tensor, ``max |got - reference| <= rtol max |reference|`` (numpy or torch values, the
+    same names); the reference must have a nonzero gradient somewhere."""
+    assert sorted(got) == sorted(reference) and reference, (sorted(got), sorted(reference))
+    for name, ref in reference.items():
+        ref, diff = (
+            torch.as_tensor(ref).double(),
+            (torch.as_tensor(got[name]).double() - torch.as_tensor(ref).double()),
+        )
+        scale, err = ref.abs().max().item(), diff.abs().max().item()
+        assert err <= rtol * scale, (
+            f"gradient of {name} differs by {err / scale if scale else err:.3e} (rtol {rtol:.1e})"
+        )
+    assert any(torch.as_tensor(r).abs().max() > 0 for r in reference.values()), (
+        "the reference has no gradient"
+    )
 
 
 def zero3_argv(model_dir: str, out: str) -> list[str]:
