@@ -15,6 +15,12 @@ gradients): the batches sharded by ``shard_collated_batch``, the step's count fr
 Oracle: the unmodified model on one process, the 4 rows in one batch, full logits. Tolerance (as
 tests/train/test_fsdp.py): the same fp32 math with sums reordered, eps32 x (tokens + vocab + hidden
 + intermediate) of the largest gradient entry of each tensor.
+
+The same FSDP2 step on the tiny Qwen3-MoE with its router load-balancing loss (hf_runs.tiny_moe):
+the experts and routers sharded over the 2 ranks; oracle: transformers' forward loss (token loss
++ 0.5 x the term over the rows of the attention mask) of each micro-batch of 2 rows, summed (as the
+Trainer sums micro-steps), and its gradients. Tolerance: RTOL plus the router statistics, two
+means over layers x rows, summed in another order (2 x 2 layers x tokens x eps32).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 ROWS, LONGEST = 4, 40
 RTOL = torch.finfo(torch.float32).eps * (ROWS * LONGEST + 1658 + 32 + 64)
+MOE_RTOL = RTOL + torch.finfo(torch.float32).eps * 2 * 2 * ROWS * LONGEST
 
 
 def _rows() -> dict[str, torch.Tensor]:
@@ -99,4 +106,53 @@ def fsdp_steps() -> dict:
         got = _full_grads(wrapped, version)
         errors = {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in expected.items()}
         out[version] = {"errors": errors, "held": held, "total": total}
-    return {"versions": out}
+    return {"versions": out, "moe": _moe_step(tok, layout, full, micro)}
+
+
+def _moe_step(tok, layout, full: dict, micro: list[dict]) -> dict:
+    """The MoE case of the module docstring: the logged loss's and every gradient's relative error,
+    and the experts' / routers' placements and local shapes under FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from ringft import apply_ring_attention
+    from ringft.data.hf_batch import shard_collated_batch
+    from ringft.train.hf.forward import install_ring_loss_forward, ring_loss
+    from ringft.train.hf.steps import exchange_step_counts, loss_scale
+    from tests.train.hf_runs import tiny_moe
+
+    items = int((full["labels"][:, 1:] != -100).sum())
+    reference, want = tiny_moe(tok), 0.0
+    for batch in micro:  # transformers' own loss: token share + coef x aux of the micro-batch's rows
+        loss = reference(**batch, num_items_in_batch=items, use_cache=False).loss
+        loss.backward()
+        want += loss.item()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    model = tiny_moe(tok)
+    apply_ring_attention(model, layout.cp_group, "torch")
+    install_ring_loss_forward(model, chunk_size=16, offload_activations=False)
+    wrapped = _wrap(model, 2)
+    batches = [shard_collated_batch(b, layout.cp_rank, 2, tok.pad_token_id) for b in micro]
+    counts = exchange_step_counts(batches, layout, True, torch.device("cpu"))
+    logged = torch.zeros(())
+    for batch in batches:
+        loss = ring_loss(wrapped, batch, counts.num_items)
+        (loss * loss_scale(layout, True)).backward()
+        logged += loss.detach()
+    dist.all_reduce(logged)
+    got = _full_grads(wrapped, 2)
+    held = {
+        n: {
+            "placements": [str(x) for x in p.placements],
+            "shape": list(p.shape),
+            "local": list(p.to_local().shape),
+        }
+        for n, p in wrapped.named_parameters()
+        if isinstance(p, DTensor) and (".mlp.experts." in n or ".mlp.gate." in n)
+    }
+    return {
+        "loss": abs(logged.item() / want - 1),
+        "values": (logged.item(), want),
+        "errors": {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in expected.items()},
+        "experts": held,
+    }
