@@ -28,19 +28,24 @@ def test_fsdp2_and_fsdp1_steps_match_one_process(hf_two):
 @pytest.mark.numerics
 @pytest.mark.timeout(600)
 def test_fsdp2_moe_router_loss_step_matches_one_process(hf_two):
-    """The MoE step of tests/train/hf_fsdp.py: the logged loss (with the router term) and every
-    gradient, the experts' and routers' included, == transformers in one process; the experts and
-    routers were DTensors sharded on the expert (row) dim over the 2 ranks."""
+    """The MoE steps of tests/train/hf_fsdp.py (Qwen3-MoE, Mixtral): the logged loss (with the
+    router term) and every gradient, the experts' and routers' included, == transformers in one
+    process; the experts and routers were DTensors sharded on the expert (row) dim over 2 ranks."""
     for rank, name in enumerate(("fsdp", "fsdp@1")):
-        res = hf_two[name]["moe"]
-        assert res["loss"] <= MOE_RTOL, (rank, res["values"])
-        # the term is there: 2 micro-batches x 0.5 x aux (~top-k = 2) over a token loss of ~ln(vocab)
-        assert res["values"][1] > math.log(1658) + 1, res["values"]
-        worst = max(res["errors"], key=res["errors"].get)
-        assert res["errors"][worst] <= MOE_RTOL, f"rank {rank}: {worst} off by {res['errors'][worst]:.2e}"
-        assert any(".mlp.experts." in n for n in res["errors"]) and any(
-            ".mlp.gate." in n for n in res["errors"]
-        )
-        assert len(res["experts"]) == 2 * 3, sorted(res["experts"])  # per layer: gate_up, down, router
-        for n, h in res["experts"].items():
-            assert h["placements"] == ["S(0)"] and h["local"] == [h["shape"][0] // 2, *h["shape"][1:]], (n, h)
+        assert sorted(hf_two[name]["moe"]) == ["mixtral", "qwen3_moe"]
+        for family, res in hf_two[name]["moe"].items():
+            assert res["loss"] <= MOE_RTOL, (rank, family, res["values"])
+            # the term is there: 2 micro-batches x 0.5 x aux (~top-k = 2) over a token loss of ~ln(vocab)
+            assert res["values"][1] > math.log(1658) + 1, (family, res["values"])
+            worst = max(res["errors"], key=res["errors"].get)
+            assert res["errors"][worst] <= MOE_RTOL, (
+                f"rank {rank} {family}: {worst} {res['errors'][worst]:.2e}"
+            )
+            assert any(".experts." in n for n in res["errors"]) and any(".gate." in n for n in res["errors"])
+            assert len(res["experts"]) == 2 * 3, sorted(res["experts"])  # per layer: gate_up, down, router
+            for n, h in res["experts"].items():
+                assert h["placements"] == ["S(0)"] and h["local"] == [h["shape"][0] // 2, *h["shape"][1:]], (
+                    family,
+                    n,
+                    h,
+                )
