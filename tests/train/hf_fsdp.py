@@ -15,6 +15,14 @@ unsharded gradients): the batches sharded by ``shard_collated_batch``, the step'
 Oracle: the unmodified model on one process, the 4 rows in one batch, full logits. Tolerance (as
 tests/train/test_fsdp.py): the same fp32 math with sums reordered, eps32 x (tokens + vocab + hidden
 + intermediate) of the largest gradient entry of each tensor.
+
+The same FSDP2 step on a tiny Qwen3-MoE (hf_runs.tiny_moe) and a tiny Mixtral (hidden 64,
+intermediate 96, 4 experts, 2 per token), both with their router load-balancing loss on (coef
+0.5): the experts and routers sharded over the 2 ranks; oracle: transformers' forward loss (token
+loss + 0.5 x the term over the rows of the attention mask) of each micro-batch of 2 rows, summed
+(as the Trainer sums micro-steps), and its gradients. Tolerance: RTOL with the larger model's
+hidden and intermediate sizes, plus the router statistics, two means over layers x rows summed in
+another order (2 x 2 layers x tokens x eps32).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 
 ROWS, LONGEST = 4, 40
 RTOL = torch.finfo(torch.float32).eps * (ROWS * LONGEST + 1658 + 32 + 64)
+MOE_RTOL = torch.finfo(torch.float32).eps * (ROWS * LONGEST + 1658 + 64 + 96 + 2 * 2 * ROWS * LONGEST)
 
 
 def _rows() -> dict[str, torch.Tensor]:
@@ -99,4 +108,65 @@ def fsdp_steps() -> dict:
         got = _full_grads(wrapped, version)
         errors = {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in expected.items()}
         out[version] = {"errors": errors, "held": held, "total": total}
-    return {"versions": out}
+    moe = {name: _moe_step(build, tok, layout, full, micro) for name, build in _moe_models(tok).items()}
+    return {"versions": out, "moe": moe}
+
+
+def _moe_models(tok) -> dict:
+    """Builders of the MoE models of the module docstring (each call: the same seeded weights)."""
+    from tests.model.family_models import windowed_model
+    from tests.train.hf_runs import tiny_moe
+
+    router = dict(vocab_size=len(tok), output_router_logits=True, router_aux_loss_coef=0.5)
+    return {
+        "qwen3_moe": lambda: tiny_moe(tok),
+        "mixtral": lambda: windowed_model("mixtral", None, torch.float32, **router),
+    }
+
+
+def _moe_step(build, tok, layout, full: dict, micro: list[dict]) -> dict:
+    """The MoE case of the module docstring for the model ``build()`` returns: the logged loss's
+    and every gradient's relative error, the experts' / routers' placements and local shapes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from ringft import apply_ring_attention
+    from ringft.data.hf_batch import shard_collated_batch
+    from ringft.train.hf.forward import install_ring_loss_forward, ring_loss
+    from ringft.train.hf.steps import exchange_step_counts, loss_scale
+
+    items = int((full["labels"][:, 1:] != -100).sum())
+    reference, want = build(), 0.0
+    for batch in micro:  # transformers' own loss: token share + coef x aux of the micro-batch's rows
+        loss = reference(**batch, num_items_in_batch=items, use_cache=False).loss
+        loss.backward()
+        want += loss.item()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    model = build()
+    apply_ring_attention(model, layout.cp_group, "torch")
+    install_ring_loss_forward(model, chunk_size=16, offload_activations=False)
+    wrapped = _wrap(model, 2)
+    batches = [shard_collated_batch(b, layout.cp_rank, 2, tok.pad_token_id) for b in micro]
+    counts = exchange_step_counts(batches, layout, True, torch.device("cpu"))
+    logged = torch.zeros(())
+    for batch in batches:
+        loss = ring_loss(wrapped, batch, counts.num_items)
+        (loss * loss_scale(layout, True)).backward()
+        logged += loss.detach()
+    dist.all_reduce(logged)
+    got = _full_grads(wrapped, 2)
+    held = {
+        n: {
+            "placements": [str(x) for x in p.placements],
+            "shape": list(p.shape),
+            "local": list(p.to_local().shape),
+        }
+        for n, p in wrapped.named_parameters()
+        if isinstance(p, DTensor) and (".mlp.experts." in n or ".mlp.gate." in n)
+    }
+    return {
+        "loss": abs(logged.item() / want - 1),
+        "values": (logged.item(), want),
+        "errors": {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in expected.items()},
+        "experts": held,
+    }

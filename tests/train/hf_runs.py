@@ -111,9 +111,10 @@ def tokenizer():
     return tok
 
 
-def tiny_moe(tok) -> torch.nn.Module:
-    """A 2-layer Qwen3-MoE (4 experts, 2 per token) of the tiny shape, ``output_router_logits`` on
-    with ``router_aux_loss_coef`` 0.5 (the term is ~10 % of the loss), eager experts, fp32."""
+def tiny_moe(tok, moe_intermediate_size: int = 16) -> torch.nn.Module:
+    """A 2-layer Qwen3-MoE (4 experts of width ``moe_intermediate_size``, 2 per token) of the tiny
+    shape, ``output_router_logits`` on with ``router_aux_loss_coef`` 0.5 (the term is ~10 % of the
+    loss), eager experts, fp32."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(SEED)
@@ -121,7 +122,7 @@ def tiny_moe(tok) -> torch.nn.Module:
         vocab_size=len(tok),
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
-        moe_intermediate_size=16,
+        moe_intermediate_size=moe_intermediate_size,
         num_experts=4,
         num_experts_per_tok=2,
         num_hidden_layers=LAYERS,

@@ -12,6 +12,7 @@ tests/train/test_deepspeed.py does for the trainer's own launches).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -53,17 +54,33 @@ def start_deepspeed_build(ops: tuple[str, ...] = ("ShareMemCommBuilder",)) -> su
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its own session: a timeout stops the compilers too
     )
+
+
+def _kill_session(session: int) -> None:
+    """SIGKILL every process of ``session`` (Linux ``/proc``): ninja starts each compiler in a
+    process group of its own, but they stay in the build's session."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            if int(fields[3]) == session:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            continue
 
 
 def finish_deepspeed_build(proc: subprocess.Popen, timeout: float = BUILD_TIMEOUT) -> None:
     """Wait for a build started by :func:`start_deepspeed_build`: ``RuntimeError`` on failure,
-    ``subprocess.TimeoutExpired`` (the build killed) past ``timeout`` seconds."""
+    ``subprocess.TimeoutExpired`` (the build killed) past ``timeout`` seconds: the whole build (its
+    ninja and compiler processes too, which would otherwise run on orphaned) and the locks it held."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _kill_session(proc.pid)
         proc.communicate()
+        for lock in EXTENSIONS_DIR.rglob("lock"):
+            lock.unlink()
         raise
     if proc.returncode != 0:
         raise RuntimeError(out[-3000:] + err[-6000:])

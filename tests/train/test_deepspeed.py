@@ -51,6 +51,14 @@ from tests.train.launch_env import (
     launch_env,
     start_deepspeed_build,
 )
+from tests.train.moe_runs import (
+    MOE_LOSS_RTOL,
+    MOE_UPDATE_RTOL,
+    expert_parameter_names,
+    moe_recipe,
+    save_moe,
+    transformers_first_step_loss,
+)
 from tests.workers import train_runs
 
 pytest.importorskip("deepspeed")
@@ -116,6 +124,12 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    """tests/train/moe_runs.py's tiny Qwen3-MoE (router load-balancing loss on), saved."""
+    return save_moe(tmp_path_factory.mktemp("model") / "moe")
+
+
 def pretrained_recipe(output_dir: Path, data: str, model: str, **sections) -> dict:
     """tiny_recipe reading its model from ``model`` (a saved folder) instead of building it."""
     raw = tiny_recipe(output_dir, data, **sections)
@@ -139,12 +153,12 @@ LORA_TRAIN = {"lr": 1e-2, "chunked_loss": True}
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, data_path, model_dir) -> Path:
+def references(tmp_path_factory, data_path, model_dir, moe_dir) -> Path:
     """The one-process references of every test here, in one 1-process spawn (the same recipe for
     the ZeRO-3 and the offload runs: ``one``; the LoRA run: ``one-lora`` with its starting adapter
-    ``adapter-start.safetensors``), computed while DeepSpeed's CPU all-reduce and CPU Adam build in
-    a background process on the other core (launch_env: stale locks cleared, the build under a
-    timeout, in one process); both are done before any launch."""
+    ``adapter-start.safetensors``; the MoE run: ``one-moe``), computed while DeepSpeed's CPU
+    all-reduce and CPU Adam build in a background process on the other core (launch_env: stale
+    locks cleared, the build under a timeout, in one process); both are done before any launch."""
     root = tmp_path_factory.mktemp("references")
     build = start_deepspeed_build(DEEPSPEED_OPS)
     try:
@@ -155,6 +169,7 @@ def references(tmp_path_factory, data_path, model_dir) -> Path:
         runs = [
             {"recipe": single},
             {"recipe": lora, "initial_adapter": str(root / "adapter-start.safetensors")},
+            {"recipe": moe_recipe(root / "one-moe", data_path, moe_dir, dp=1, cp=1)},
         ]
         results = run_distributed(train_runs, 1, runs, str(root), timeout=RUN_TIMEOUT)[0]
     finally:
@@ -258,3 +273,55 @@ def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir, referenc
     want = load_file(str(references / "one-lora" / "final" / "adapter_model.safetensors"))
     assert any("lora_B" in k for k in got)
     assert_updates_close(got, want, load_file(str(references / "adapter-start.safetensors")), UPDATE_RTOL)
+
+
+def _zero3_layout(checkpoint: Path, world: int) -> tuple[list[int], dict[str, int], int]:
+    """From a ZeRO-3 checkpoint: per rank, the entries of its fp32 partition; the model's parameter
+    shapes (as trained: transformers' fused experts) as numels; the run's
+    ``stage3_param_persistence_threshold`` (smaller parameters stay whole on every rank between
+    forwards; larger ones are gathered by their module's hooks)."""
+    folder = checkpoint / "pytorch_model"
+    files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"))
+    assert len(files) == world, sorted(p.name for p in folder.iterdir())
+    sizes = []
+    for f in files:
+        state = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        sizes.append(sum(t.numel() for t in state["fp32_flat_groups"]))
+    model = torch.load(
+        next(folder.glob("*zero_pp_rank_0_*model_states.pt")), map_location="cpu", weights_only=False
+    )
+    numels = {k: torch.Size(v).numel() for group in model["param_shapes"] for k, v in group.items()}
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = DeepSpeedZeroConfig(**model["ds_config"]["zero_optimization"])
+    return sizes, numels, int(zero.param_persistence_threshold)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_zero3_moe_router_loss_matches_one_process(tmp_path, data_path, moe_dir, references):
+    """A Qwen3-MoE with its router load-balancing loss (tests/train/moe_runs.py) under ZeRO-3 at
+    dp=2 x cp=2 (grad_accum 2, chunked loss on the partitioned lm_head, gradient checkpointing) ==
+    one process (grad_accum 4): the logged losses (token loss + 0.5 x the term per micro-batch; the
+    first step's also == transformers' own forward loss), the grad norms, and the exported update of
+    every weight, the experts and routers included; the experts are partitioned over the 4 ranks."""
+    from safetensors.torch import load_file
+
+    one = references / "one-moe"
+    out = tmp_path / "zero3-moe"
+    raw = moe_recipe(out, data_path, moe_dir, dp=2, cp=2, gradient_checkpointing=True)
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 4), raw)
+    ref = _reference_losses(references, 2)
+    assert ref[0] == pytest.approx(transformers_first_step_loss(moe_dir, data_path), rel=MOE_LOSS_RTOL)
+    assert _metric(out) == pytest.approx(ref, rel=MOE_LOSS_RTOL)
+    assert _metric(out, "grad_norm") == pytest.approx(_metric(one, "grad_norm"), rel=MOE_UPDATE_RTOL)
+    start = load_file(str(Path(moe_dir) / "model.safetensors"))
+    got, want = final_weights(out), final_weights(one)
+    assert len(expert_parameter_names(want)) == 2 * (4 * 3 + 1)  # 2 layers x (4 experts x 3 + router)
+    assert_updates_close(got, want, start, MOE_UPDATE_RTOL)
+    for name in expert_parameter_names(want):  # every expert and router trained
+        assert not torch.equal(want[name], start[name]), name
+    sizes, numels, persist = _zero3_layout(out / "checkpoints" / "step-00000004", 4)
+    assert sizes == [sum(-(-n // 4) for n in numels.values())] * 4, (sizes, numels)  # each cut in 4
+    experts = {k: n for k, n in numels.items() if ".mlp.experts." in k}
+    assert len(experts) == 2 * 2 and min(experts.values()) > persist, (experts, persist)

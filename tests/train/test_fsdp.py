@@ -21,16 +21,34 @@ fp32. Oracle: a bf16 copy of the model in one process, each micro-batch alone (t
 the same bf16 kernels), fp64 sums. Tolerance ``BF16_RTOL``: the same values summed in another order,
 4 fp32 additions (4 eps32); bf16's own resolution (2^-8 relative, what the loss had when read from
 the cast output) is 2^13 times larger.
+
+Last in the same processes (its ``end_training`` closes the group): ``ringft train``'s Trainer on a
+Qwen3-MoE with its router load-balancing loss (tests/train/moe_runs.py) at dp=1 x cp=2, under FSDP2
+as accelerate prepares it from the shipped recipes/accelerate/fsdp2.yaml (``fsdp2_prepare_model``:
+one unit per decoder layer, the experts' and routers' parameters DTensors sharded over the 2
+ranks); then, on rank 0, the same recipe in one plain process. Tolerances: tests/train/moe_runs.py.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from ringft.utils.spawn import run_distributed
+from tests.tiny_training import assert_updates_close, final_weights
+from tests.train.moe_runs import (
+    MOE_LOSS_RTOL,
+    MOE_UPDATE_RTOL,
+    expert_parameter_names,
+    fsdp2_moe_runs,
+    moe_recipe,
+    save_moe,
+    transformers_first_step_loss,
+)
 
 SEQ, VOCAB, HIDDEN, INTERMEDIATE = 48, 300, 32, 64
 TOKENS = 4 * SEQ  # the global batch: 2 ranks x 2 micro-steps x 1 sequence
@@ -63,7 +81,7 @@ def _batch(example: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": torch.arange(SEQ)[None], "shift_labels": labels}
 
 
-def _fsdp_worker(rank: int, world: int, sync_kind: str) -> dict:
+def _fsdp_worker(rank: int, world: int, sync_kind: str, moe: dict) -> dict:
     import functools
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -101,7 +119,9 @@ def _fsdp_worker(rank: int, world: int, sync_kind: str) -> dict:
     with FSDP.summon_full_params(wrapped, with_grads=True):
         got = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in wrapped.named_parameters()}
     errors = {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in expected.items()}
-    return {"held": held, "total": total, "errors": errors, "bf16": _bf16_runs(rank, everything, n_all)}
+    bf16 = _bf16_runs(rank, everything, n_all)
+    moe_out = fsdp2_moe_runs(rank, world, **moe)  # last: the Trainer's end_training closes the group
+    return {"held": held, "total": total, "errors": errors, "bf16": bf16, "moe": moe_out}
 
 
 def _rel(got: dict, expected: dict) -> dict[str, float]:
@@ -207,12 +227,25 @@ def _bf16_runs(rank: int, everything: list[dict], n_all: torch.Tensor) -> dict:
     return out
 
 
-@pytest.mark.numerics
-@pytest.mark.timeout(180)
-def test_fsdp_micro_steps_reduce_scatter_and_match_one_big_step():
+@pytest.fixture(scope="module")
+def fsdp_spawn(tmp_path_factory, data_path) -> dict:
+    """The 2-rank spawn of every test here; ``root``: the MoE runs' folder."""
     from ringft.train.integrations import FSDP
 
-    for rank, out in enumerate(run_distributed(_fsdp_worker, 2, FSDP, timeout=150)):
+    root = tmp_path_factory.mktemp("fsdp")
+    model = save_moe(root / "moe")
+    moe = {
+        "ring": moe_recipe(root / "fsdp2-moe", data_path, model, dp=1, cp=2),
+        "one": moe_recipe(root / "one-moe", data_path, model, dp=1, cp=1),
+        "store": str(root / "store"),
+    }
+    return {"ranks": run_distributed(_fsdp_worker, 2, FSDP, moe, timeout=210), "root": root}
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(240)
+def test_fsdp_micro_steps_reduce_scatter_and_match_one_big_step(fsdp_spawn):
+    for rank, out in enumerate(fsdp_spawn["ranks"]):
         worst = max(out["errors"], key=out["errors"].get)
         assert out["errors"][worst] <= RTOL, f"rank {rank}: grad {worst} off by {out['errors'][worst]:.2e}"
         # after the first micro-step the rank holds its shard of the gradients (about half), not all
@@ -227,6 +260,42 @@ def test_fsdp_micro_steps_reduce_scatter_and_match_one_big_step():
             )
             assert res.get("buffers", {"torch.float32"}) == {"torch.float32"}, (path, res["buffers"])
         assert out["bf16"]["ring_loss FSDP2"]["dtypes"] == {"torch.float32"}, out["bf16"]
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(240)
+def test_fsdp2_moe_router_loss_matches_one_process(fsdp_spawn, data_path):
+    """``ringft train`` under fsdp2.yaml's FSDP2, dp=1 x cp=2, a Qwen3-MoE with its router loss ==
+    one process: logged losses (the first == transformers' own forward loss), grad norms, the
+    exported update of every weight (experts and routers included); the experts and routers were
+    DTensors sharded on the expert (row) dim, half on each rank."""
+    from safetensors.torch import load_file
+
+    root = fsdp_spawn["root"]
+    ring, one = fsdp_spawn["ranks"][0]["moe"], fsdp_spawn["ranks"][0]["moe"]["one"]
+    assert one[0] == pytest.approx(
+        transformers_first_step_loss(str(root / "moe"), data_path), rel=MOE_LOSS_RTOL
+    )
+    assert ring["losses"] == pytest.approx(one, rel=MOE_LOSS_RTOL)
+
+    def grad_norms(out: Path) -> list[float]:
+        return [json.loads(line)["grad_norm"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert grad_norms(root / "fsdp2-moe") == pytest.approx(grad_norms(root / "one-moe"), rel=MOE_UPDATE_RTOL)
+    start = load_file(str(root / "moe" / "model.safetensors"))
+    got, want = final_weights(root / "fsdp2-moe"), final_weights(root / "one-moe")
+    assert_updates_close(got, want, start, MOE_UPDATE_RTOL)
+    for name in expert_parameter_names(want):
+        assert not torch.equal(want[name], start[name]), name
+    for rank, out in enumerate(fsdp_spawn["ranks"]):
+        held = out["moe"]["experts"]
+        assert len(held) == 2 * 3, sorted(held)  # per layer: the fused gate_up / down experts, the router
+        for name, h in held.items():
+            assert h["placements"] == ["S(0)"] and h["local"] == [h["shape"][0] // 2, *h["shape"][1:]], (
+                rank,
+                name,
+                h,
+            )
 
 
 def test_fsdp_precision_policy_reduces_in_fp32_and_keeps_buffers():
