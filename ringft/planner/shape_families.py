@@ -98,6 +98,7 @@ def _gemma4(get: Get) -> dict[str, Any]:
             global_kv = None if kv is None else int(kv)
     layers = int(get("num_hidden_layers"))
     per_layer_input = int(get("hidden_size_per_layer_input") or 0)
+    vocab = int(get("vocab_size_per_layer_input") or get("vocab_size")) if per_layer_input else 0
     return {
         "global_head_dim": global_dim,
         "global_kv_heads": global_kv or 0,
@@ -105,7 +106,7 @@ def _gemma4(get: Get) -> dict[str, Any]:
         "k_eq_v": k_eq_v,
         "double_wide_mlp": bool(get("use_double_wide_mlp", False)),
         "per_layer_input": per_layer_input,
-        "per_layer_vocab": int(get("vocab_size_per_layer_input") or get("vocab_size")) if per_layer_input else 0,
+        "per_layer_vocab": vocab,
         "v_norm": True,
     }
 

@@ -146,9 +146,7 @@ class ModelShape:
                 **fields,
             )
         except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"the config's sizes ({', '.join(_REQUIRED)}) must be integers: {exc}"
-            ) from exc
+            raise ValueError(f"the config's sizes ({', '.join(_REQUIRED)}) must be integers: {exc}") from exc
         if shape.heads % shape.kv_heads or (shape.global_kv_heads and shape.heads % shape.global_kv_heads):
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads")
         return shape
@@ -249,7 +247,8 @@ class ModelShape:
         if self.experts:  # the experts' gate, up and down projections and the router
             shapes = {k: v for k, v in shapes.items() if k not in ("gate_proj", "up_proj", "down_proj")}
             count = (self.intermediate - self.shared_expert_intermediate) // self.expert_intermediate
-            shapes["experts"] = ((count if active else self.experts) * 3 * self.hidden, self.expert_intermediate)
+            experts = count if active else self.experts
+            shapes["experts"] = (experts * 3 * self.hidden, self.expert_intermediate)
             shapes["router"] = (self.hidden, self.experts)
             shapes["shared_expert"] = (3 * self.hidden, self.shared_expert_intermediate)
             shapes["shared_expert_gate"] = (self.hidden, 1 if self.shared_expert_gate else 0)
@@ -282,6 +281,17 @@ class ModelShape:
         layers = sum(self.layer_params_at(i) for i in range(self.layers))
         extra = self.per_layer_input_params
         return layers + self.embedding_params + self.lm_head_params + self.hidden + extra
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """q/k/v/o (:data:`DEFAULT_LORA_TARGETS`) where the model has them all; else the family's
+        attention projections (latent attention's ``q_a_proj``, ``kv_b_proj``, ...)."""
+        names = {n for i in range(self.layers) for n in self.layer(i).linear_shapes()}
+        if set(DEFAULT_LORA_TARGETS) <= names:
+            return DEFAULT_LORA_TARGETS
+        family = FAMILIES.get(self.model_type)
+        own = family.attention_projections if family else DEFAULT_LORA_TARGETS
+        return tuple(n for n in own if n in names)
 
     def lora_params(self, rank: int, targets: Iterable[str] = DEFAULT_LORA_TARGETS) -> int:
         """``sum over layers and targets of r * (in + out)`` (A is ``r x in``, B is ``out x r``); a
