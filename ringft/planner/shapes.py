@@ -5,6 +5,8 @@ key/value heads, ``d`` head dim (Gemma 3, Qwen3: not ``h / nh``), ``V`` vocabula
 facts of :data:`ringft.model.families.FAMILIES` (q/k norms, q/k/v bias, norms per layer, fused
 projections). Read from presets (:data:`PRESETS`, no download), a config dict or
 ``PretrainedConfig`` (a multimodal config's ``text_config``), a config.json, or a model directory.
+Layers that differ (latent attention, Gemma 4's local / global / K/V-reusing layers, Gated DeltaNet
+layers, dense layers of a MoE model) are read as one view per layer (:meth:`ModelShape.layer`).
 Sliding windows are recorded (``windows``) but change no memory term: a window lowers the attention
 FLOPs, while every rank still keeps the K/V of all its local tokens for the backward.
 """

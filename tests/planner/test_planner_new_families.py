@@ -5,8 +5,6 @@ tensors against autograd's, the attention terms by hand, ``ringft plan`` on the 
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -66,44 +64,17 @@ def test_lora_counts_equal_peft():
         latent.lora_params(4, ("q_proj", "k_proj"))
 
 
-def _saved_bytes(layer, x) -> int:
-    """Bytes of the distinct storages autograd saves in ``layer(x)``, parameters and ``x`` apart."""
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("dims", [(2, 4, 64, 64), (1, 2, 128, 128)])
 def test_gated_deltanet_saved_tensors_match_autograd(dims):
     """The fitted per-token bytes of a Gated DeltaNet layer on the ring (transformers' torch kernels
     under ringft's chunk pass, one rank: the per-rank work of any ring size) against the tensors
     autograd saves, fp32, 256 local tokens."""
-    from transformers import AutoConfig
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
-    from ringft.model.gated_deltanet import prepare_linear_attention
+    from benchmarks.fit_gdn_saved import gdn_config, measure
 
     nk, nv, dk, dv = dims
-    config = AutoConfig.for_model(
-        "qwen3_5_text", hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_num_key_heads=nk, linear_num_value_heads=nv,
-        linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=4,
-        layer_types=["linear_attention"], vocab_size=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    layer = modeling_qwen3_5.Qwen3_5GatedDeltaNet(config, 0)
-    prepare_linear_attention(layer, types.SimpleNamespace(group=None, rank=0, size=1))
     tokens = 256
-    measured = _saved_bytes(layer, torch.randn(1, tokens, 64, requires_grad=True))
+    measured = measure(tokens, nk, nv, dk, dv)
+    config = gdn_config(nk, nv, dk, dv)
     setup = TrainingSetup(seq_len=tokens, num_gpus=1, gpu_mem_gib=1.0, cp_size=1, dtype="fp32")
     view = load_model_shape(config).layer(0)
     assert view.mixer == "linear"
