@@ -33,9 +33,9 @@ GDN_CHUNK = 64
 #: the tensors autograd saves in one layer forward as ringft runs it (transformers' torch kernels
 #: under :func:`ringft.ops.linear_scan.chunk_pass`, whose state columns are widened by ``dk``), fp32,
 #: full fine-tuning, 256-1,024 tokens, head dims 64 / 128: within 1.2 % of every point
-#: (``benchmarks/fit_gdn_saved.py``; ``tests/planner/test_planner_new_families.py`` re-measures two). bf16 and frozen projections
-#: keep 5-10 % less (counted as fp32: conservative); flash-linear-attention's kernel keeps less (not
-#: measured).
+#: (``benchmarks/fit_gdn_saved.py``; ``tests/planner/test_planner_new_families.py`` re-measures
+#: two). bf16 and frozen projections keep 5-10 % less (counted as fp32: conservative);
+#: flash-linear-attention's kernel keeps less (not measured).
 GDN_SAVED = (11.63, 10.40, 7.77, 2.03, 5.34)
 
 
