@@ -313,7 +313,7 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     }
 
 
-def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict[str, int]:
+def checkpointed(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     """Activations kept from the forward until the backward reaches their layer.
 
     - per-layer checkpointing: the ``L`` layer inputs ``L*a*T*h``; with activation offload
@@ -323,8 +323,8 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
       autograd's AccumulateGrad node keeps it on the GPU for the whole step; the input of the layer
       being recomputed (``unpack_from_cpu``, another ``a*T*h``) is freed once the recompute is
       done, before the backward's peak (full fine-tuning: that input is what the term covers);
-    - no checkpointing: every layer's saved tensors (:func:`layer_saved` of each layer view; ``saved``
-      is the first layer's) plus its input;
+    - no checkpointing: every layer's saved tensors (:func:`layer_saved` of its layer view) plus its
+      input;
     - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers; one table per head dim: Gemma 4's
       local and global, latent attention's ``qk_rope_head_dim``);
     - Gemma 4: the K/V the reusing layers read and their gradients

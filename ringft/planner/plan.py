@@ -113,7 +113,7 @@ def build_plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
             )
         if ws > layer_ws:
             layer_ws, saved, work = ws, v_saved, v_work
-    ckpt = checkpointed(shape, setup, saved)
+    ckpt = checkpointed(shape, setup)
     details = {f"layer_saved.{k}": v for k, v in saved.items()}
     details.update({f"layer_ws.{k}": v for k, v in work.items()})
     details.update({f"loss.{k}": v for k, v in loss.items()})

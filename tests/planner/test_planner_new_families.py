@@ -127,7 +127,7 @@ def test_latent_gemma4_and_gate_terms_by_hand():
     assert layer_saved(glob, setup)["attention"] == t * (own + qk + extra)
     reusing = a * (16 + 16) + 4 * 2 + 4 * 16 + 4 * 2 + a * 16 + extra  # q, output, lse, q norm only
     assert layer_saved(shared, setup)["attention"] == t * reusing
-    assert checkpointed(gemma, setup, layer_saved(glob, setup))["shared_kv"] == 2 * a * t * 1 * (8 + 8)
+    assert checkpointed(gemma, setup)["shared_kv"] == 2 * a * t * 1 * (8 + 8)
     # Qwen3.5's output gate: sigmoid(gate) and the gated output o_proj keeps
     hybrid = load_model_shape(hybrid_model("qwen3_5_text", torch.float32).config)
     gated = hybrid.layer(1)
