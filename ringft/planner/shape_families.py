@@ -97,9 +97,14 @@ def _gemma4(get: Get) -> dict[str, Any]:
             global_dim, kv = overrides.pop()
             global_kv = None if kv is None else int(kv)
     layers = int(get("num_hidden_layers"))
+    kinds = list(get("layer_types") or [])
+    if not kinds:  # Gemma4TextConfig's rule: 5 local, 1 global
+        kinds = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    kinds[-1] = "full_attention"  # Gemma4TextConfig makes the last layer global
     per_layer_input = int(get("hidden_size_per_layer_input") or 0)
     vocab = int(get("vocab_size_per_layer_input") or get("vocab_size")) if per_layer_input else 0
     return {
+        "global_layers": tuple(i for i, k in enumerate(kinds) if k == "full_attention"),
         "global_head_dim": global_dim,
         "global_kv_heads": global_kv or 0,
         "kv_shared_layers": min(int(get("num_kv_shared_layers") or 0), layers),

@@ -79,6 +79,7 @@ class ModelShape:
     # Gemma 4: the global layers' head dim and K/V heads, the last layers reusing an earlier layer's
     # K/V, V from the K projection on global layers, double-wide MLP on the reusing layers, per-layer
     # inputs of this width over ``per_layer_vocab`` tokens, a weightless RMSNorm on V
+    global_layers: tuple[int, ...] = ()
     global_head_dim: int = 0
     global_kv_heads: int = 0
     kv_shared_layers: int = 0
@@ -165,12 +166,12 @@ class ModelShape:
         (``kv_shared``) and ``V = K`` (``v_from_k``), a dense MLP in a MoE model."""
         if not 0 <= index < self.layers:
             raise IndexError(f"layer {index} of a {self.layers}-layer model")
-        view: dict[str, Any] = {"linear_layers": (), "dense_layers": (), "global_head_dim": 0}
-        view["kv_shared_layers"] = 0
+        view: dict[str, Any] = {"linear_layers": (), "dense_layers": (), "global_layers": ()}
+        view.update(global_head_dim=0, kv_shared_layers=0)
         if index in self.linear_layers:
             view["mixer"] = "linear"
         if self.global_head_dim:  # Gemma 4
-            is_global = self.windows[index] is None if self.windows else True
+            is_global = index in self.global_layers
             shared = index >= self.layers - self.kv_shared_layers
             view.update(kv_shared=shared, v_from_k=self.k_eq_v and is_global and not shared)
             if is_global:

@@ -175,3 +175,18 @@ def test_cli_plans_a_gemma4_config(tmp_path, capsys):
         p.numel() for p in windowed_model("gemma4", 5, torch.float32).parameters()
     )
     assert "recommended layout" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"use_double_wide_mlp": True},
+        {"use_double_wide_mlp": True, "attention_k_eq_v": False, "num_kv_shared_layers": 1},
+    ],
+)
+def test_gemma4_variants_count_as_the_model(overrides):
+    model = windowed_model("gemma4", 5, torch.float32, **overrides)
+    shape = load_model_shape(model.config)
+    assert shape.global_layers == (1, 3) and shape.double_wide_mlp
+    for i, layer in enumerate(model.model.layers):
+        assert shape.layer_params_at(i) == sum(p.numel() for p in layer.parameters()), (overrides, i)
