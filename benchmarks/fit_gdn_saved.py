@@ -39,9 +39,10 @@ POINTS = (
 )
 
 
-def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in ``layer(x)``, parameters and ``x`` apart."""
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+def saved_bytes(layer: torch.nn.Module, x: torch.Tensor, *inputs: torch.Tensor, **kwargs) -> int:
+    """Bytes of the distinct storages autograd saves in ``layer(x, **kwargs)``, apart from the
+    parameters, ``x`` and the other ``inputs`` (tensors among the keyword arguments)."""
+    skip = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x, *inputs)}
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -51,7 +52,7 @@ def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
+        layer(x, **kwargs)
     return sum(seen.values())
 
 

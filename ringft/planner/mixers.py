@@ -14,6 +14,7 @@ from ringft.planner.setup import TrainingSetup
 from ringft.planner.shapes import ModelShape
 
 __all__ = [
+    "FP32_WEIGHT_NORMS",
     "GDN_CHUNK",
     "GDN_SAVED",
     "linear_exchange_bytes",
@@ -26,6 +27,9 @@ __all__ = [
     "shared_kv_bytes",
 ]
 
+#: Families whose RMSNorm multiplies by its weight in fp32 (``x.float() * rsqrt(...) * w.float()``):
+#: the value kept for the weight's gradient is fp32.
+FP32_WEIGHT_NORMS = ("gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 #: The chunk of transformers' torch ``torch_chunk_gated_delta_rule`` (its ``chunk_size``).
 GDN_CHUNK = 64
 #: A Gated DeltaNet layer's saved tensors per token, in fp32 values, as coefficients of ``nv*dk``,
@@ -43,32 +47,39 @@ def _qk_norm(m: ModelShape, s: TrainingSetup) -> int:
     """Per token, what q/k RMSNorms keep (Qwen3, Gemma 3/4, OLMo 2): the fp32 input ``4*(q + kv)``
     (in fp32 the projection's output itself, kept by nothing else), one ``rsqrt`` per normalised
     row (4 B per head, or per token over all heads) and the normalised value ``a*(q + kv)`` if the
-    norm weights train. A layer reusing K/V normalises q only. Gemma 4's weightless V norm:
-    ``4*kv + 4*nkv`` more."""
+    norm weights train (``4*(q + kv)`` for :data:`FP32_WEIGHT_NORMS`). A layer reusing K/V
+    normalises q only. Gemma 4: 8 B per row (``pow(mean, -0.5)`` keeps its input and output) and a
+    weightless V norm, ``4*kv + 8*nkv`` more (``8*nkv`` in fp32 with ``V = K``: its input is K's).
+    Measured on CPU (``tests/planner/test_planner_new_families.py``)."""
     if not m.qk_norm:
         return 0
     kv_heads = 0 if m.kv_shared else m.kv_heads
     width = (m.heads + kv_heads) * m.head_dim
     rows = m.heads + kv_heads if m.qk_norm == "head" else 2
+    per_row = 8 if m.model_type == "gemma4_text" else 4  # Gemma 4: pow(mean, -0.5) keeps both
     if s.fused_rmsnorm:  # the fused norm keeps its input and one rstd per row
         own = s.act_bytes * width + 4 * rows
-    else:
-        own = 4 * width + 4 * rows + (s.act_bytes * width if not s.lora else 0)
-    if m.v_norm and not m.kv_shared:
-        own += 4 * kv_heads * m.head_dim + 4 * kv_heads
+    else:  # Gemma's and Qwen3.5's norms multiply by their weight in fp32: the fp32 normalised value
+        normalised = 4 if m.model_type in FP32_WEIGHT_NORMS else s.act_bytes
+        own = 4 * width + per_row * rows + (normalised * width if not s.lora else 0)
+    if m.v_norm and not m.kv_shared:  # in fp32 V = K's norm reads the K projection's output itself
+        own += (0 if m.v_from_k and s.act_bytes == 4 else 4 * kv_heads * m.head_dim) + per_row * kv_heads
     return own
 
 
 def _latent_norms(m: ModelShape, s: TrainingSetup, inputs) -> tuple[int, int]:
     """Per token, latent attention's down-projection norms: each keeps the fp32 copy of its input
-    ``4*r`` (in fp32 the down-projection's output, kept by nothing else), ``rsqrt`` (4 B), the
+    ``4*r`` (in fp32 the down-projection's output, kept by nothing else; kv's then with its RoPE
+    part, ``4*(r + rope)``), ``rsqrt`` (4 B), the
     normalised value ``a*r`` if its weight trains and its output ``a*r`` if the up-projection keeps
     it (``r`` = ``q_lora_rank``, ``kv_lora_rank``); and the up-projections' LoRA bytes."""
     a, total, lora = s.act_bytes, 0, 0
     for r, module in ((m.q_lora_rank, "q_b_proj"), (m.kv_lora_rank, "kv_b_proj")):
         if r:
             kept, extra = inputs(s, (module,), r, s.lora_rank)
-            total += 4 * r + 4 + (a * r if not s.lora else 0) + (a * r if kept else 0)
+            # in fp32 no copy: the norm's input is a view of kv_a's output, RoPE part included
+            read = r + (m.rope_head_dim if module == "kv_b_proj" and a == 4 else 0)
+            total += 4 * read + 4 + (a * r if not s.lora else 0) + (a * r if kept else 0)
             lora += extra
     return total, lora
 
@@ -82,22 +93,34 @@ def mixer_saved(m: ModelShape, s: TrainingSetup, inputs) -> tuple[int, int]:
       :func:`shared_kv_bytes`); Ulysses x ring: the head shards, o_proj's all-to-all'd copy of the
       output and ``nkv'`` replicated K/V heads ``a*(nh*d + 2*nh*dv + nkv'*(d + dv))``;
     - q/k norms (:func:`_qk_norm`), latent attention's down-projection norms (:func:`_latent_norms`);
-    - Qwen3.5's output gate: ``sigmoid(gate)`` ``a*nh*dv`` and the gated output o_proj reads
-      ``a*nh*dv`` if o_proj keeps it (else o_proj reads the attention output, kept anyway)."""
+    - latent attention (measured on CPU, ``tests/planner/test_planner_new_families.py``): V stays a
+      view of ``kv_b_proj``'s output (``nh*(d - rope + dv)`` in all), o_proj copies the output
+      (``nh*dv`` if it keeps its input); in fp32 the output stays a view of the padded block output
+      (``nh*max(d, dv)``);
+    - Qwen3.5's output gate: ``sigmoid(gate)`` and a contiguous copy of the output ``2*a*nh*dv``,
+      the gated output o_proj reads ``a*nh*dv`` if o_proj keeps it (else o_proj reads the attention
+      output, kept anyway); in fp32 the gate half of q_proj's output ``a*nh*d`` (the q norm keeps a
+      view of it). Measured on CPU."""
     if m.mixer == "linear":
         return linear_saved(m, s, inputs)
     a, d, dv = s.act_bytes, m.head_dim, m.v_dim
     kv = 0 if m.kv_shared else m.kv_heads
     attention = a * (m.heads * d + kv * (d + dv) + m.heads * dv) + 4 * m.heads
+    kept, extra = inputs(s, m.projections("o"), m.heads * dv, s.lora_rank)
+    if m.kv_lora_rank:  # V is a view of kv_b_proj's output; o_proj copies the output
+        attention += a * m.heads * (d - m.rope_head_dim) + (a * m.heads * dv if kept else 0)
+        if a == 4:  # no cast after the merge: the output stays a view of the padded block output
+            attention += a * m.heads * (max(d, dv) - dv)
     if s.ulysses_size > 1:
         kv = 0 if m.kv_shared else kv_heads_sent(m, s)
         attention = a * (m.heads * d + 2 * m.heads * dv + kv * (d + dv)) + 4 * m.heads
     attention += _qk_norm(m, s)
     latent, lora = _latent_norms(m, s, inputs)
     attention += latent
-    kept, extra = inputs(s, m.projections("o"), m.heads * dv, s.lora_rank)
-    if m.attn_gate:
-        attention += a * m.heads * dv + (a * m.heads * dv if kept else 0)
+    if m.attn_gate:  # sigmoid(gate), a contiguous copy of the output, the product o_proj reads
+        attention += 2 * a * m.heads * dv + (a * m.heads * dv if kept else 0)
+        if a == 4:  # the q norm reads a view of q_proj's output: its gate half stays too
+            attention += a * m.heads * d
     return attention, lora + extra
 
 

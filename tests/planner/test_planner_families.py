@@ -112,8 +112,9 @@ def test_qk_norm_and_extra_norm_activations_by_hand():
     assert attention("qwen3") - llama == 32 * (4 * 48 + 4 * 6 + 2 * 48)
     # over all heads: one rsqrt per token for q and one for k
     assert attention("olmo2") - llama == 32 * (4 * 48 + 4 * 2 + 2 * 48)
-    # Gemma 3: q/k norms per head + two extra norms (fp32 input 4h, rsqrt, fp32 normalised 4h)
-    assert attention("gemma3_text") - llama == 32 * (4 * 48 + 4 * 6 + 2 * 48 + 2 * (4 * 16 + 4 + 4 * 16))
+    # Gemma 3: q/k norms per head (normalised in fp32: Gemma's norm multiplies in fp32) + two extra
+    # norms (fp32 input 4h, rsqrt, fp32 normalised 4h)
+    assert attention("gemma3_text") - llama == 32 * (4 * 48 + 4 * 6 + 4 * 48 + 2 * (4 * 16 + 4 + 4 * 16))
 
 
 def test_gpt_oss_and_llama4_presets_plan_and_match_the_published_totals():

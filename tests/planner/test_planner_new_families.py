@@ -104,7 +104,8 @@ def test_latent_gemma4_and_gate_terms_by_hand():
     view = latent.layer(1)
     assert (view.head_dim, view.v_dim, view.kv_heads, view.experts) == (12, 6, 4, 4)
     assert latent.layer(0).experts == 0 and latent.layer(0).intermediate == 32
-    attention = 4 * 12 + 4 * 12 + 4 * 6 + 4 * 6  # q, k, v, output
+    # q, k, v, output; kv_b_proj's output beyond V (its view), o_proj's copy of the output
+    attention = 4 * 12 + 4 * 12 + 4 * 6 + 4 * 6 + 4 * 8 + 4 * 6
     norms = sum(4 * r + 4 + a * r + a * r for r in (10, 8))  # fp32 input, rsqrt, normalised, output
     assert layer_saved(view, setup)["attention"] == t * (a * attention + 4 * 4 + norms)
     work = layer_working_set(view, setup, layer_saved(view, setup))
@@ -122,10 +123,11 @@ def test_latent_gemma4_and_gate_terms_by_hand():
     assert (glob.head_dim, glob.kv_heads, glob.v_from_k, glob.kv_shared) == (8, 1, True, False)
     assert (shared.head_dim, shared.kv_shared, "k_proj" in shared.linear_shapes()) == (8, True, False)
     own = a * (16 + 8 + 8 + 16) + 4 * 2  # q, k, v, output; lse
-    qk = 4 * (16 + 8) + 4 * 3 + a * (16 + 8) + 4 * 8 + 4 * 1  # q/k norms; the V norm (no weight)
+    # q/k norms (fp32 normalised values, 8 B per row: pow's input and output); the V norm (no weight)
+    qk = 4 * (16 + 8) + 8 * 3 + 4 * (16 + 8) + 4 * 8 + 8 * 1
     extra = 2 * (4 * 16 + 4 + 4 * 16)  # Gemma's post-norms
     assert layer_saved(glob, setup)["attention"] == t * (own + qk + extra)
-    reusing = a * (16 + 16) + 4 * 2 + 4 * 16 + 4 * 2 + a * 16 + extra  # q, output, lse, q norm only
+    reusing = a * (16 + 16) + 4 * 2 + 4 * 16 + 8 * 2 + 4 * 16 + extra  # q, output, lse, q norm only
     assert layer_saved(shared, setup)["attention"] == t * reusing
     assert checkpointed(gemma, setup)["shared_kv"] == 2 * a * t * 1 * (8 + 8)
     # Qwen3.5's output gate: sigmoid(gate) and the gated output o_proj keeps
@@ -134,7 +136,7 @@ def test_latent_gemma4_and_gate_terms_by_hand():
     plain = {**vars(gated), "attn_gate": False}
     ungated = type(gated)(**plain)
     difference = layer_saved(gated, setup)["attention"] - layer_saved(ungated, setup)["attention"]
-    assert difference == t * 2 * a * 2 * 8
+    assert difference == t * 3 * a * 2 * 8  # sigmoid(gate), the output's copy, the gated output
 
 
 def test_hybrid_plan_and_time():
@@ -190,3 +192,68 @@ def test_gemma4_variants_count_as_the_model(overrides):
     assert shape.global_layers == (1, 3) and shape.double_wide_mlp
     for i, layer in enumerate(model.model.layers):
         assert shape.layer_params_at(i) == sum(p.numel() for p in layer.parameters()), (overrides, i)
+
+
+def _attention_models(dtype: torch.dtype):
+    """The models whose attention modules the saved-tensor test measures."""
+    yield family_model("llama3", dtype)
+    yield family_model("deepseek_v3", dtype)  # latent attention, V narrower than q/k
+    yield family_model("mistral4", dtype)  # + the query scale by position (4 B per token, unplanned)
+    yield family_model("gemma3", dtype)
+    yield windowed_model("gemma4", 5, dtype, num_kv_shared_layers=0)  # per-layer head dims, V = K
+    yield hybrid_model("qwen3_5_text", dtype)  # the gated attention layer
+
+
+def _attention_saved(rank: int, world: int) -> list[tuple[str, int, int]]:
+    """(case, measured, planned) bytes each attention layer keeps, ring attention on a one-rank gloo
+    group (the spawned worker of :func:`test_attention_saved_tensors_match_autograd`)."""
+    from benchmarks.fit_gdn_saved import saved_bytes
+    from ringft import apply_ring_attention
+    from ringft.planner.formulas import _extra_norms_saved, _per_layer_input_saved
+
+    out, tokens = [], 256
+    for dtype in (torch.float32, torch.bfloat16):
+        setup = TrainingSetup(
+            seq_len=tokens, num_gpus=1, gpu_mem_gib=1.0, cp_size=1, fused_rmsnorm=False,
+            dtype="fp32" if dtype == torch.float32 else "bf16",
+        )  # fmt: skip
+        for model in _attention_models(dtype):
+            model = apply_ring_attention(model.train(), backend="torch")
+            x = torch.randn(1, tokens, model.config.hidden_size, dtype=dtype, requires_grad=True)
+            positions = torch.arange(tokens)[None]
+            shape, kind = load_model_shape(model.config), model.config.model_type
+            for i, layer in enumerate(model.model.layers):
+                if not hasattr(layer, "self_attn"):
+                    continue
+                per_type = kind.startswith("gemma")  # RoPE per layer type
+                args = (model.config.layer_types[i],) if per_type else ()
+                cos, sin = model.model.rotary_emb(x, positions, *args)
+                kwargs = {
+                    "position_embeddings": (cos, sin),
+                    "attention_mask": None,
+                    "position_ids": positions,
+                }
+                if kind == "gemma4_text":
+                    kwargs["shared_kv_states"] = {}
+                measured = saved_bytes(layer.self_attn, x, cos, sin, **kwargs)
+                view = shape.layer(i)  # post-norms, per-layer inputs: the decoder layer's, outside self_attn
+                outside = _extra_norms_saved(view, setup) + _per_layer_input_saved(view, setup)
+                planned = layer_saved(view, setup)["attention"] - tokens * outside
+                out.append((f"{kind} {dtype} layer {i}", measured, planned))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_attention_saved_tensors_match_autograd():
+    """The planner's attention term against the storages autograd saves in the attention module's
+    forward under ring attention, fp32 and bf16: LLaMA; latent attention (V a view of kv_b_proj's
+    output, the output copied by o_proj, in fp32 a view of the padded block output); Gemma 3 and 4
+    (fp32 normalised values, Gemma 4's two values per row and weightless V norm, V = K); Qwen3.5's
+    gated attention."""
+    from ringft.utils.spawn import run_distributed
+
+    for case, measured, planned in run_distributed(_attention_saved, 1, timeout=240)[0]:
+        # Not a rounding bound: autograd's storages, no allocator in between; seen equal but for
+        # T-independent scalars and norm weights (64-256 B) and Mistral 4's query scale (4 B per
+        # token): within 0.2 %.
+        assert abs(planned - measured) <= 0.01 * measured, (case, planned, measured)
