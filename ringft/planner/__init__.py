@@ -39,6 +39,14 @@ Shapes (from the model config): ``h`` hidden size, ``i`` MLP intermediate size, 
 activation dtype's byte size (2 for bf16, 4 for fp32), ``T = micro_batch_size * S / cp`` the local
 tokens. All results are bytes per rank; ``GiB = 2**30`` bytes.
 
+Layer kinds: a model whose layers differ is planned per layer view (:meth:`ModelShape.layer_views`):
+latent attention (DeepSeek-V3, Mistral 4: K/V at their own head dims on the ring), Gemma 4's local
+and global layers and the layers reusing an earlier layer's K/V, the hybrids' Gated DeltaNet layers
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next: no ring K/V, a length-independent state exchange, their saved
+tensors fitted to autograd's, :mod:`~ringft.planner.mixers`), a MoE model's dense layers. The
+checkpointed activations and parameters are summed over the layers; the working set is the largest
+layer kind's.
+
 Assumptions (full fine-tuning, ``dtype="bf16"``, the ZeRO paper's mixed-precision Adam): bf16
 weights (2 B/param) and bf16 grads (2 B/param), fp32 master weights + Adam ``m`` and ``v``
 (12 B/param) -> 16 B/param before sharding. ``dtype="fp32"``: 4 + 4 + 8 B/param (plain AdamW).
@@ -57,7 +65,9 @@ ZeRO-3 gather buffers).
 Option names are the recipes' names (``micro_batch_size``, ``attn_backend``, ``tiled_mlp_tokens``,
 ``loss_chunk_size``, ...); dtype names come from :data:`ringft.ops.DTYPES`.
 
-Modules: :mod:`~ringft.planner.shapes` (model shapes, presets), :mod:`~ringft.planner.setup`
+Modules: :mod:`~ringft.planner.shapes` (model shapes, presets), :mod:`~ringft.planner.shape_families`
+(the family facts of a config, one layer's parameters), :mod:`~ringft.planner.mixers` (the token
+mixer's terms: attention of every kind, Gated DeltaNet layers), :mod:`~ringft.planner.setup`
 (:class:`TrainingSetup`, :class:`MemoryPlan`), :mod:`~ringft.planner.formulas` (the terms),
 :mod:`~ringft.planner.states` (the model states), :mod:`~ringft.planner.kernel` (the attention kernel's),
 :mod:`~ringft.planner.plan` (:func:`plan_memory`), :mod:`~ringft.planner.search` (layouts,

@@ -64,7 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-step")
     p.add_argument("--lora", action="store_true", help="LoRA instead of full fine-tuning")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS))
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        help=f"default: {','.join(DEFAULT_LORA_TARGETS)} (latent attention: its projections and o_proj)",
+    )
     p.add_argument(
         "--lora-bf16-adapters",
         action="store_true",
@@ -81,9 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-activations", action="store_true")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument(
-        "--loss-chunk-size", type=values.tokens_arg, default=4096, help="tokens per logits chunk"
-    )
+    p.add_argument("--loss-chunk-size", type=values.tokens_arg, default=4096, help="tokens per logits chunk")
     p.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles of hidden-size tokens")
     p.add_argument(
         "--tiled-mlp-tokens",
@@ -189,12 +191,16 @@ GPUS_FIX = "give the number of GPUs of the job, >= 1 (e.g. 8)"
 GPU_MEM_FIX = "give the memory of one GPU in GiB, > 0 (e.g. 79.6)"
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
+def _options(args: argparse.Namespace, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> dict[str, Any]:
+    """The :class:`TrainingSetup` options of ``args``; ``targets``: the model's LoRA targets when
+    ``--lora-targets`` is not given."""
+    if args.lora_targets is not None:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     options: dict[str, Any] = {
         "micro_batch_size": args.micro_batch_size,
         "lora": args.lora,
         "lora_rank": args.lora_rank,
-        "lora_targets": tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+        "lora_targets": targets,
         "lora_fp32_adapters": not args.lora_bf16_adapters,
         "dtype": args.dtype,
         "master_weights": not args.no_master_weights,
@@ -293,7 +299,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     try:
         hardware_from_args(args)
         shape = load_model_shape(args.config_json or args.model)
-        options = _options(args)
+        options = _options(args, shape.default_lora_targets)
         layout = dict(cp_sizes=args.cp, **options)
         plans = plan_layouts(
             shape, args.seq_len, args.gpus, args.gpu_mem, explore_offload=args.explore_offload, **layout
@@ -339,8 +345,10 @@ def plan_main(argv: list[str] | None = None) -> int:
 def _recipe(parser: argparse.ArgumentParser, args: argparse.Namespace, best, shape) -> int:
     """``--recipe`` / ``--write-recipe``: the recommended plan as a recipe (exit 1 when nothing fits)."""
     if best is None:
-        print("ringft plan: error: nothing fits, so there is no recipe to write: run without --recipe / "
-              "--write-recipe to see the flags that would make it fit")
+        print(
+            "ringft plan: error: nothing fits, so there is no recipe to write: run without --recipe / "
+            "--write-recipe to see the flags that would make it fit"
+        )
         return 1
     path = args.write_recipe or "recipe.yaml"
     text = recipe_text(args, best, shape.name, _command(parser, args), path)
@@ -351,6 +359,8 @@ def _recipe(parser: argparse.ArgumentParser, args: argparse.Namespace, best, sha
     if problem:
         print(f"ringft plan: error: {problem}")
         return 2
-    print(f"wrote {args.write_recipe}: cp {best.setup.cp_size} x dp {best.setup.dp_size}, "
-          f"{best.total / GIB:.1f} GiB per GPU; {text.splitlines()[3][2:]}")
+    print(
+        f"wrote {args.write_recipe}: cp {best.setup.cp_size} x dp {best.setup.dp_size}, "
+        f"{best.total / GIB:.1f} GiB per GPU; {text.splitlines()[3][2:]}"
+    )
     return 0

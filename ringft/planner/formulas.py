@@ -10,6 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ringft.planner.kernel import attention_kernel, attention_kernel_parts, kv_heads_sent
+from ringft.planner.mixers import (
+    linear_exchange_bytes,
+    linear_working,
+    mixer_saved,
+    ring_buffers,
+    shared_kv_bytes,
+)
 from ringft.planner.setup import TrainingSetup
 from ringft.planner.shapes import ModelShape
 from ringft.planner.states import model_states
@@ -50,20 +57,6 @@ def _linear_inputs(s: TrainingSetup, modules: Sequence[str], in_features: int, r
     return kept, extra
 
 
-def _qk_norm_saved(m: ModelShape, s: TrainingSetup) -> int:
-    """Per token, what q/k RMSNorms keep (Qwen3, Gemma 3, OLMo 2): the fp32 input ``4*(q + kv)``
-    (in fp32 the projection's output itself, kept by nothing else), one ``rsqrt`` per normalised
-    row (4 B per head, or per token over all heads) and the normalised value ``a*(q + kv)`` if the
-    norm weights train."""
-    if not m.qk_norm:
-        return 0
-    width = (m.heads + m.kv_heads) * m.head_dim
-    rows = m.heads + m.kv_heads if m.qk_norm == "head" else 2
-    if s.fused_rmsnorm:  # the fused norm keeps its input and one rstd per row
-        return s.act_bytes * width + 4 * rows
-    return 4 * width + 4 * rows + (s.act_bytes * width if not s.lora else 0)
-
-
 def _extra_norms_saved(m: ModelShape, s: TrainingSetup) -> int:
     """Per token, what the norms beyond the two pre-norms keep (Gemma 3's post-attention and
     post-feedforward norms): fp32 input ``4*h`` (the o_proj / down_proj output, kept by nothing
@@ -75,6 +68,19 @@ def _extra_norms_saved(m: ModelShape, s: TrainingSetup) -> int:
     return extra * (4 * m.hidden + 4 + (4 * m.hidden if not s.lora else 0))
 
 
+def _per_layer_input_saved(m: ModelShape, s: TrainingSetup) -> int:
+    """Per token, Gemma 4's per-layer input block (``p`` wide): the gate's input ``a*h`` if it keeps
+    it, the gate's output, its activation and the product with the layer's input ``3*a*p``, and its
+    post-norm as one more extra norm (fp32 input ``4*h``, ``rsqrt``, fp32 normalised ``4*h``)."""
+    p = m.per_layer_input
+    if not p:
+        return 0
+    kept, extra = _linear_inputs(s, ("per_layer_input_gate",), m.hidden, s.lora_rank)
+    extra += _linear_inputs(s, ("per_layer_projection",), p, s.lora_rank)[1]
+    norm = 4 * m.hidden + 4 + (4 * m.hidden if not s.lora else 0)
+    return (s.act_bytes * m.hidden if kept else 0) + 3 * s.act_bytes * p + norm + extra
+
+
 def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     """Bytes one decoder layer keeps for its backward (what a recompute re-creates).
 
@@ -83,11 +89,13 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     - ``norm1``: the RMSNorm's fp32 copy of its input ``4*h`` (none in fp32: the input is the
       checkpointed layer input), ``rsqrt`` (4 B), the normalised value ``a*h`` if the norm weight
       trains, and the norm's output ``a*h`` if q/k/v keep it (their weights train);
-    - ``attention``: RoPE'd q, k, v and the output ``a*(2*nh + 2*nkv)*d``, fp32 lse ``4*nh``; the
-      q/k norms' tensors (:func:`_qk_norm_saved`) and the extra norms' (:func:`_extra_norms_saved`);
-      Ulysses x ring (``U > 1``): the ring keeps the head shards of q, k, v (K/V heads ``nkv'`` =
-      :func:`kv_heads_sent`, replicated where ``U`` does not divide ``nkv``) and of the output, and
-      o_proj the output's all-to-all'd copy: ``a*(3*nh + 2*nkv')*d``;
+    - ``attention``: the token mixer's tensors (:func:`ringft.planner.mixers.mixer_saved`): for a
+      LLaMA-style layer RoPE'd q, k, v and the output ``a*(2*nh + 2*nkv)*d``, fp32 lse ``4*nh``, the
+      q/k norms' tensors; Ulysses x ring (``U > 1``): the head shards of q, k, v (K/V heads ``nkv'``
+      = :func:`kv_heads_sent`, replicated where ``U`` does not divide ``nkv``) and of the output,
+      and o_proj the output's all-to-all'd copy: ``a*(3*nh + 2*nkv')*d``; latent attention at its
+      own K/V head dims, Qwen3.5's output gate, a Gated DeltaNet layer's (fitted) tensors; plus the
+      extra norms' (:func:`_extra_norms_saved`) and Gemma 4's per-layer input block's;
     - ``norm2``: as norm1, its input ``4*h`` either way (fp32 copy, or in fp32 the residual itself);
       output kept if gate/up train (or by the tiled MLP, which keeps its input);
     - ``mlp`` (SwiGLU): gate, silu(gate), up ``3*a*i``, and their product ``a*i`` if down_proj
@@ -104,8 +112,7 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     Full fine-tuning in bf16 gives ``T*(16*h + 2*(2*nh + 2*nkv)*d + 4*nh + 8*i + 8)``.
     """
     a = s.act_bytes
-    h, i, d = m.hidden, m.intermediate, m.head_dim
-    q, kv = m.heads * d, m.kv_heads * d
+    h, i = m.hidden, m.intermediate
     trains = not s.lora
     r = s.lora_rank
     norm_y = a * h if trains else 0
@@ -115,11 +122,9 @@ def layer_saved(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
         norm1 = a * h + (a * h if n1_kept else 0)
     elif s.fused_rmsnorm:  # its input and rstd
         norm1 = a * h + 4 + (a * h if n1_kept else 0)
-    attention = a * (2 * q + 2 * kv) + 4 * m.heads
-    if s.ulysses_size > 1:
-        attention = a * (3 * q + 2 * kv_heads_sent(m, s) * d) + 4 * m.heads
-    attention += _qk_norm_saved(m, s) + _extra_norms_saved(m, s)
-    lora_attn += _linear_inputs(s, m.projections("o"), q, r)[1]  # the attention output is kept anyway
+    attention, mixer_lora = mixer_saved(m, s, _linear_inputs)  # the output o_proj reads is kept anyway
+    attention += _extra_norms_saved(m, s) + _per_layer_input_saved(m, s)
+    lora_attn += mixer_lora
     n2_kept, lora_mlp = _linear_inputs(s, m.projections("gate_up"), h, r)
     norm2_own = a * h if s.tiled_norm_tokens else (a * h + 4 if s.fused_rmsnorm else 4 * h + 4 + norm_y)
     if s.tiled_mlp:
@@ -209,7 +214,7 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
     ``(a*h + 4)*T`` (benchmarks/bench_tiled_norm.py).
     """
     a = s.act_bytes
-    t, h, d, nkv, i = s.tokens, m.hidden, m.head_dim, m.kv_heads, m.intermediate
+    t, h, i = s.tokens, m.hidden, m.intermediate
     if s.tiled_mlp:
         tile = _mlp_tile(m, s)
         tile_lora = _linear_inputs(s, m.projections("gate_up"), h, s.lora_rank)[1]
@@ -217,13 +222,12 @@ def layer_working_set(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) ->
         mlp_extra = tile * (6 * a * i + tile_lora) + a * t * h
     else:
         mlp_extra = 6 * a * t * i - saved["mlp"]
-    ring, all_to_all, q = 0, 0, m.heads * d
-    nkv = kv_heads_sent(m, s)
-    if s.ring_size > 1:
-        ring = 4 * t * q + 2 * 2 * a * t * nkv * d + 2 * 2 * 4 * t * nkv * d
-    if s.ulysses_size > 1:
-        all_to_all = 4 * a * t * (q + 2 * nkv * d)
+    ring, all_to_all = ring_buffers(m, s), 0
+    if s.ulysses_size > 1 and m.mixer != "linear":
+        all_to_all = 2 * a * t * (m.heads + 2 * kv_heads_sent(m, s)) * (m.head_dim + m.v_dim)
     kernel = attention_kernel(m, s)
+    if m.mixer == "linear":  # the Gated DeltaNet backward's transients in the kernel's place
+        kernel = linear_working(m, s, t * mixer_saved(m, s, _linear_inputs)[0])
     if s.tiled_norm_tokens:
         # one tile's recompute (fp32 copy, rsqrt) and backward temporaries; the tiles' input grads
         # and their cat, and two more a*T*h seen on CPU (benchmarks/bench_tiled_norm.py: 4*a*T*h in
@@ -289,7 +293,7 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
         final_norm = t * (a * h + (a * h if keep_out else 0))
     elif s.fused_rmsnorm:  # its input and rstd
         final_norm = t * (a * h + 4 + (a * h if keep_out else 0))
-    saves = t * (a * m.heads * m.head_dim + 4 * m.heads) if s.attention_checkpoint == "save" else 0
+    saves = _attention_out(m.layer(m.layers - 1), s) if s.attention_checkpoint == "save" else 0
     if not s.chunked_loss:
         return {"final_norm": final_norm, "logits": 12 * t * v, "attention_saves": saves}
     c = min(s.loss_chunk_size, t)
@@ -309,7 +313,7 @@ def loss_working_set(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     }
 
 
-def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict[str, int]:
+def checkpointed(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     """Activations kept from the forward until the backward reaches their layer.
 
     - per-layer checkpointing: the ``L`` layer inputs ``L*a*T*h``; with activation offload
@@ -319,9 +323,14 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
       autograd's AccumulateGrad node keeps it on the GPU for the whole step; the input of the layer
       being recomputed (``unpack_from_cpu``, another ``a*T*h``) is freed once the recompute is
       done, before the backward's peak (full fine-tuning: that input is what the term covers);
-    - no checkpointing: every layer's saved tensors (:func:`layer_saved`) plus its input;
-    - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers);
-    - ``attention_checkpoint="save"``: each layer's attention output and lse, ``T*(a*nh*d + 4*nh)``,
+    - no checkpointing: every layer's saved tensors (:func:`layer_saved` of its layer view) plus its
+      input;
+    - always: RoPE's cos/sin ``2*a*T*d`` (shared by all layers; one table per head dim: Gemma 4's
+      local and global, latent attention's ``qk_rope_head_dim``);
+    - Gemma 4: the K/V the reusing layers read and their gradients
+      (:func:`ringft.planner.mixers.shared_kv_bytes`) and the per-layer inputs ``(2*a + 4)*T*L*p``
+      (their embedding, their norm's fp32 input, the sum the layers read: derived, not measured);
+    - ``attention_checkpoint="save"``: each attention layer's output and lse, ``T*(a*nh*dv + 4*nh)``,
       kept from the forward for the backward (no attention forward in the recompute): ``L - 1``
       layers' worth besides the layer in its backward (whose tensors the working set counts; the
       loss phase holds all ``L``: :func:`loss_working_set`); ``"offload"``: those ``L - 1`` in
@@ -336,23 +345,35 @@ def checkpointed(m: ModelShape, s: TrainingSetup, saved: dict[str, int]) -> dict
     a = s.act_bytes
     t, h = s.tokens, m.hidden
     per_layer = a * t * h
-    if not s.gradient_checkpointing:
-        per_layer += sum(saved.values())
+    views = m.layer_views()
     layers = m.layers * per_layer
+    if not s.gradient_checkpointing:
+        own = {v: sum(layer_saved(v, s).values()) + linear_exchange_bytes(v, s) for v in views}
+        layers += sum(count * own[v] for v, count in views.items())
     cpu = 0
     if s.offload_activations and s.gradient_checkpointing:
         on_gpu = per_layer
         cpu, layers = layers - on_gpu, on_gpu
-    attn = t * (a * m.heads * m.head_dim + 4 * m.heads)
+    every = sum(count * _attention_out(v, s) for v, count in views.items())
+    rest = every - _attention_out(m.layer(m.layers - 1), s)
     saves, cpu_attention = 0, 0
     if s.attention_checkpoint == "save":
-        saves = (m.layers - 1) * attn
+        saves = rest
     elif s.attention_checkpoint == "offload":
-        cpu_attention = (m.layers - 1) * attn
+        cpu_attention = rest
+    dims = {v.rope_head_dim or v.head_dim for v in views if v.mixer != "linear"}
+    p = m.per_layer_input
     return {
         "layers": layers,
-        "rope": 2 * a * t * m.head_dim,
+        "rope": 2 * a * t * sum(dims),
         "attention_saves": saves,
+        "shared_kv": shared_kv_bytes(m, s),
+        "per_layer_inputs": (2 * a + 4) * t * m.layers * p,
         "cpu": cpu,
         "cpu_attention": cpu_attention,
     }
+
+
+def _attention_out(m: ModelShape, s: TrainingSetup) -> int:
+    """One attention layer's output and lse ``T*(a*nh*dv + 4*nh)`` (0 for a Gated DeltaNet layer)."""
+    return 0 if m.mixer == "linear" else s.tokens * (s.act_bytes * m.heads * m.v_dim + 4 * m.heads)

@@ -36,21 +36,33 @@ def attention_kernel_parts(m: ModelShape, s: TrainingSetup) -> dict[str, int]:
     - ``casts`` (tiled, ``a < 4``): the ring's cast of the fp32 dk/dv to the input dtype after the
       tiles, ``2*a*T*nkv*d``, alive with the results but not with the tile buffers.
 
+    Latent attention (q/k head dim ``d`` != V's ``dv``): every term at ``max(d, dv)``, the results
+    with the padded copies of the backward call's inputs (V, output and its grad, or q and k: derived,
+    not measured). None for a Gated DeltaNet layer.
+
     Tiled = ``attention_tile_tokens = N < T`` (a tile >= ``T`` runs the kernel unchanged). Measured
     on an H200 (cuDNN, bf16, 32 / 8 heads of 128; benchmarks/RESULTS.md "Attention in query tiles"):
     within 1 % at 64K-256K tokens, tiles of 4096 and 16384 and untiled
     (``tests/planner/test_planner_gpu_measured.py``).
     """
     a, t = s.act_bytes, s.tokens
-    q, kv = m.heads * m.head_dim, kv_heads_sent(m, s) * m.head_dim  # (U > 1: per head shard, same total)
+    if m.mixer == "linear":
+        return {"results": 0, "workspace": 0, "tile_buffers": 0, "casts": 0}
+    d = max(m.head_dim, m.v_dim)  # latent attention: each call padded to one head dim
+    q, kv = m.heads * d, kv_heads_sent(m, s) * d  # (U > 1: per head shard, same total)
+    pads = 0
+    if m.v_dim < m.head_dim:  # the padded V, output and output grad of the backward call
+        pads = a * t * (kv + 2 * q)
+    elif m.head_dim < m.v_dim:  # the padded q and k
+        pads = a * t * (q + kv)
     gqa = kv < q
     workspace = (2 * a * q if gqa else 0) + 4 * q + (2 * a * q if gqa and s.attn_backend == "torch" else 0)
     n = s.attention_tile_tokens
     if n is None or n >= t:
-        untiled = t * (2 * a * q + 2 * a * kv)
+        untiled = t * (2 * a * q + 2 * a * kv) + pads
         return {"results": untiled, "workspace": t * workspace, "tile_buffers": 0, "casts": 0}
     return {
-        "results": t * (2 * a * q + 2 * 4 * kv),
+        "results": t * (2 * a * q + 2 * 4 * kv) + pads,
         "workspace": n * workspace,
         "tile_buffers": n * (4 * q + 2 * a * (q + 2 * kv)),
         "casts": 2 * a * t * kv if a != 4 else 0,

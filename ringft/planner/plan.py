@@ -83,27 +83,43 @@ def setup_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def build_plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``setup`` for ``shape``: every term of :mod:`ringft.planner.formulas`.
 
-    Raises ``ValueError`` when ``setup.ulysses_size`` does not split the model's query heads."""
+    The layer working set is that of the layer kind (:meth:`ModelShape.layer_views`: Gemma 4's local
+    and global layers, a hybrid's Gated DeltaNet and attention layers, a MoE model's dense layers)
+    whose backward peaks highest; the details list that kind's terms.
+
+    Raises ``ValueError`` when ``setup.ulysses_size`` does not split the model's query heads, or is
+    above 1 for a model with Gated DeltaNet layers."""
     heads = heads_problem(shape.heads, setup.ulysses_size, setup.cp_size) if setup.ulysses_size > 1 else None
     if heads:
         raise ValueError(heads)
-    states = model_states(shape, setup)
-    saved = layer_saved(shape, setup)
-    work = layer_working_set(shape, setup, saved)
-    loss = loss_working_set(shape, setup)
-    ckpt = checkpointed(shape, setup, saved)
-    if setup.gradient_checkpointing:
-        layer_ws = max(work["mlp_phase"], work["norm_phase"], work["attention_phase"])
-    else:  # the saved tensors are already counted as stored activations: transients only
-        layer_ws = max(
-            work["mlp_phase"] - sum(saved.values()),
-            work["attention_phase"] - saved["norm1"] - saved["attention"] - saved["lora_attn"],
-            work["norm_transients"],
+    if shape.linear_layers and setup.ulysses_size > 1:
+        raise ValueError(
+            f"ulysses_size={setup.ulysses_size}: the Gated DeltaNet layers of this hybrid run on the plain "
+            "zigzag ring only; use ulysses_size 1"
         )
+    states = model_states(shape, setup)
+    loss = loss_working_set(shape, setup)
+    layer_ws, saved, work = -1, {}, {}
+    for view in shape.layer_views():  # the layer kind whose backward peaks highest
+        v_saved = layer_saved(view, setup)
+        v_work = layer_working_set(view, setup, v_saved)
+        if setup.gradient_checkpointing:
+            ws = max(v_work["mlp_phase"], v_work["norm_phase"], v_work["attention_phase"])
+        else:  # the saved tensors are already counted as stored activations: transients only
+            ws = max(
+                v_work["mlp_phase"] - sum(v_saved.values()),
+                v_work["attention_phase"] - v_saved["norm1"] - v_saved["attention"] - v_saved["lora_attn"],
+                v_work["norm_transients"],
+            )
+        if ws > layer_ws:
+            layer_ws, saved, work = ws, v_saved, v_work
+    ckpt = checkpointed(shape, setup)
     details = {f"layer_saved.{k}": v for k, v in saved.items()}
     details.update({f"layer_ws.{k}": v for k, v in work.items()})
     details.update({f"loss.{k}": v for k, v in loss.items()})
-    details.update({f"checkpointed.{k}": v for k, v in ckpt.items() if not k.startswith("cpu")})
+    optional = ("shared_kv", "per_layer_inputs")  # Gemma 4's: listed where they exist
+    shown = {k: v for k, v in ckpt.items() if not k.startswith("cpu") and (v or k not in optional)}
+    details.update({f"checkpointed.{k}": v for k, v in shown.items()})
     host = {
         "optimizer": states["cpu_optimizer"],
         "grads": states["cpu_grads"],
@@ -121,7 +137,7 @@ def build_plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
         grads=states["grads"],
         optimizer=states["optimizer"],
         zero3_gather=states["zero3_gather"],
-        checkpointed_activations=ckpt["layers"] + ckpt["rope"] + ckpt["attention_saves"],
+        checkpointed_activations=sum(v for k, v in ckpt.items() if not k.startswith("cpu")),
         layer_working_set=layer_ws,
         loss_working_set=sum(loss.values()),
         overhead=int(setup.overhead_gib * GIB),

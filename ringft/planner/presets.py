@@ -214,8 +214,66 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 10485760,
         "rms_norm_eps": 1e-5,
     },
+    # https://huggingface.co/Qwen/Qwen3.5-9B (model card and its config.json's text_config; the same
+    # sizes are transformers' Qwen3_5TextConfig defaults): 32 layers, 8 x (3 Gated DeltaNet + 1 gated
+    # attention), DeltaNet 16 q/k heads and 32 v heads of 128 (conv kernel 4), attention 16 / 4 heads
+    # of 256 (RoPE on 64 of them), MLP 12288, 248320-token vocabulary with a separate LM output,
+    # 262144 positions. The vision encoder is not counted (train the text decoder, qwen3_5_text).
+    "qwen3.5-9b": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 248320,
+        "tie_word_embeddings": False,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+    },
+    # https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: 61 layers (the first 3
+    # dense, MLP 18432), latent attention (128 heads, q rank 1536, kv rank 512, q/k 128 + 64 RoPE, v
+    # 128), 256 routed experts of 2048 (8 per token) + 1 shared, YaRN factor 40 over 4096 positions.
+    # The multi-token-prediction layer (num_nextn_predict_layers) is not part of DeepseekV3ForCausalLM.
+    "deepseek-v3": {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "first_k_dense_replace": 3,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+    },
 }
-# Qwen3.5's dense sizes are not written here: we do not know their published configs reliably.
+# Not written here (their published configs not confirmed): Qwen3.5's other dense sizes (27B: the
+# Gated DeltaNet head counts), Mistral 4, Gemma 4.
 PRESET_ALIASES = {
     "meta-llama/meta-llama-3-8b": "llama-3-8b",
     "meta-llama/llama-3.1-8b": "llama-3-8b",
@@ -234,4 +292,6 @@ PRESET_ALIASES = {
     "openai/gpt-oss-20b": "gpt-oss-20b",
     "meta-llama/llama-4-scout-17b-16e": "llama-4-scout",
     "meta-llama/llama-4-scout-17b-16e-instruct": "llama-4-scout",
+    "qwen/qwen3.5-9b": "qwen3.5-9b",
+    "deepseek-ai/deepseek-v3": "deepseek-v3",
 }

@@ -27,9 +27,17 @@ def format_plan(plan: MemoryPlan) -> str:
         if windowed
         else ""
     )
+    kinds = "".join(
+        [
+            f" v_head_dim={m.v_dim}" if m.v_dim != m.head_dim else "",
+            f" global_head_dim={m.global_head_dim}" if m.global_head_dim else "",
+            f" kv_shared_layers={m.kv_shared_layers}" if m.kv_shared_layers else "",
+            f" Gated DeltaNet layers={len(m.linear_layers)}" if m.linear_layers else "",
+        ]
+    )
     lines = [
         f"model {m.name}: h={m.hidden} i={m.intermediate} L={m.layers} heads={m.heads} kv_heads={m.kv_heads} "
-        f"head_dim={m.head_dim} V={m.vocab}{' (tied)' if m.tie_embeddings else ''}; "
+        f"head_dim={m.head_dim}{kinds} V={m.vocab}{' (tied)' if m.tie_embeddings else ''}; "
         f"{plan.params_total / 1e9:.3f}B params, {plan.params_trainable / 1e6:.1f}M trainable{window}",
         f"layout: {s.num_gpus} GPUs = dp {s.dp_size} x cp {s.cp_size}"
         f"{split}; S={s.seq_len} -> "

@@ -5,6 +5,8 @@ key/value heads, ``d`` head dim (Gemma 3, Qwen3: not ``h / nh``), ``V`` vocabula
 facts of :data:`ringft.model.families.FAMILIES` (q/k norms, q/k/v bias, norms per layer, fused
 projections). Read from presets (:data:`PRESETS`, no download), a config dict or
 ``PretrainedConfig`` (a multimodal config's ``text_config``), a config.json, or a model directory.
+Layers that differ (latent attention, Gemma 4's local / global / K/V-reusing layers, Gated DeltaNet
+layers, dense layers of a MoE model) are read as one view per layer (:meth:`ModelShape.layer`).
 Sliding windows are recorded (``windows``) but change no memory term: a window lowers the attention
 FLOPs, while every rank still keeps the K/V of all its local tokens for the backward.
 """
@@ -15,11 +17,12 @@ import difflib
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ringft.model.families import FAMILIES, layer_windows
 from ringft.planner.presets import PRESET_ALIASES, PRESETS
+from ringft.planner.shape_families import family_fields, mixer_params, mixer_shapes, moe_fields
 
 __all__ = ["DEFAULT_LORA_TARGETS", "PRESETS", "ModelShape", "load_model_shape"]
 
@@ -60,11 +63,43 @@ class ModelShape:
     dense_intermediate: int = 0
     expert_bias: bool = False
     sinks: bool = False
+    shared_expert_gate: bool = False  # Qwen3.5-MoE / Qwen3-Next: a sigmoid gate (h x 1) on the shared expert
+    model_type: str = ""
+    # latent attention (DeepSeek-V3, Mistral 4): ``head_dim`` = q/k's nope + rope, V and the output
+    # at ``v_head_dim``, K/V at every query head; q/kv down-projections to these ranks (0: no q_a)
+    v_head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    attn_gate: bool = False  # Qwen3.5 / Qwen3-Next full attention: q_proj also makes an output gate
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their indices and (k heads, v heads, k dim, v dim,
+    # conv kernel)
+    linear_layers: tuple[int, ...] = ()
+    linear_dims: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    # Gemma 4: the global layers' head dim and K/V heads, the last layers reusing an earlier layer's
+    # K/V, V from the K projection on global layers, double-wide MLP on the reusing layers, per-layer
+    # inputs of this width over ``per_layer_vocab`` tokens, a weightless RMSNorm on V
+    global_layers: tuple[int, ...] = ()
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    kv_shared_layers: int = 0
+    k_eq_v: bool = False
+    double_wide_mlp: bool = False
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    v_norm: bool = False
+    # one layer's view (:meth:`layer`): its token mixer ("attention" / "linear"), K/V reused from an
+    # earlier layer, V = K
+    mixer: str = "attention"
+    kv_shared: bool = False
+    v_from_k: bool = False
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
         """From a transformers ``PretrainedConfig`` or a config dict (transformers key names); a
         multimodal config (Gemma 3 4B+) gives its ``text_config``."""
+        if not isinstance(config, Mapping) and getattr(config, "model_type", None) == "gemma4_text":
+            config = config.to_dict()  # its per-layer sizes refuse a global read
         get = (
             config.get if isinstance(config, Mapping) else lambda k, default=None: getattr(config, k, default)
         )
@@ -75,14 +110,8 @@ class ModelShape:
                 text.setdefault("model_type", f"{get('model_type')}_text")
             return cls.from_config(text, name=name or get("_name_or_path"))
         family = FAMILIES.get(get("model_type"))
-        if get("model_type") == "gemma4_text":
-            raise ValueError(
-                "the planner does not model Gemma 4 (per-layer head dims, shared K/V layers, per-layer "
-                "inputs) yet"
-            )
-        if get("kv_lora_rank") is not None:
-            raise ValueError("the planner does not model latent attention (DeepSeek-V3's kv_lora_rank) yet")
-        missing = [k for k in _REQUIRED if get(k) is None]
+        moe = bool(family and family.moe)
+        missing = [k for k in _REQUIRED if get(k) is None and not (moe and k == "intermediate_size")]
         if missing:
             raise ValueError(
                 f"the config has no {', '.join(missing)} (a decoder's config.json needs "
@@ -91,15 +120,18 @@ class ModelShape:
         try:
             hidden = int(get("hidden_size"))
             heads = int(get("num_attention_heads"))
-            experts, width, intermediate, moe_extra = _moe(get) if family and family.moe else (0, 0, None, {})
+            experts, width, intermediate, moe_extra = moe_fields(get) if moe else (0, 0, None, {})
+            fields = {
+                "kv_heads": int(get("num_key_value_heads") or heads),
+                "head_dim": int(get("head_dim") or hidden // heads),
+                **family_fields(get, family),
+            }
             shape = cls(
                 name=name or str(get("_name_or_path") or get("model_type") or "model"),
                 hidden=hidden,
                 intermediate=intermediate or int(get("intermediate_size")),
                 layers=int(get("num_hidden_layers")),
                 heads=heads,
-                kv_heads=int(get("num_key_value_heads") or heads),
-                head_dim=int(get("head_dim") or hidden // heads),
                 vocab=int(get("vocab_size")),
                 tie_embeddings=bool(get("tie_word_embeddings", False)),
                 attention_bias=bool(get("attention_bias", False)),
@@ -112,91 +144,122 @@ class ModelShape:
                 experts=experts,
                 expert_intermediate=width,
                 sinks=get("model_type") == "gpt_oss",
+                model_type=str(get("model_type") or ""),
                 **moe_extra,
+                **fields,
             )
         except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"the config's sizes ({', '.join(_REQUIRED)}) must be integers: {exc}"
-            ) from exc
-        if shape.heads % shape.kv_heads:
+            raise ValueError(f"the config's sizes ({', '.join(_REQUIRED)}) must be integers: {exc}") from exc
+        if shape.heads % shape.kv_heads or (shape.global_kv_heads and shape.heads % shape.global_kv_heads):
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads")
         return shape
 
+    # one layer ----------------------------------------------------------------------------------
+    @property
+    def v_dim(self) -> int:
+        """V's and the attention output's head dim (latent attention: ``v_head_dim``; else ``d``)."""
+        return self.v_head_dim or self.head_dim
+
+    def layer(self, index: int) -> ModelShape:
+        """Layer ``index`` as a uniform shape (a *view*): its token mixer (a Gated DeltaNet layer's
+        ``mixer="linear"``), Gemma 4's global head dim / K/V heads, K/V reused from an earlier layer
+        (``kv_shared``) and ``V = K`` (``v_from_k``), a dense MLP in a MoE model."""
+        if not 0 <= index < self.layers:
+            raise IndexError(f"layer {index} of a {self.layers}-layer model")
+        view: dict[str, Any] = {"linear_layers": (), "dense_layers": (), "global_layers": ()}
+        view.update(global_head_dim=0, kv_shared_layers=0)
+        if index in self.linear_layers:
+            view["mixer"] = "linear"
+        if self.global_head_dim:  # Gemma 4
+            is_global = index in self.global_layers
+            shared = index >= self.layers - self.kv_shared_layers
+            view.update(kv_shared=shared, v_from_k=self.k_eq_v and is_global and not shared)
+            if is_global:
+                view.update(head_dim=self.global_head_dim, kv_heads=self.global_kv_heads or self.kv_heads)
+            if shared and self.double_wide_mlp:
+                view["intermediate"] = 2 * self.intermediate
+        if self.experts and index in self.dense_layers:  # a dense layer of a MoE model
+            view.update(experts=0, intermediate=self.dense_intermediate, expert_intermediate=0)
+            view.update(shared_expert_intermediate=0, shared_expert_gate=False, expert_bias=False)
+        return replace(self, **view)
+
+    def layer_views(self) -> dict[ModelShape, int]:
+        """Each distinct layer view (:meth:`layer`) and how many layers have it."""
+        views: dict[ModelShape, int] = {}
+        for i in range(self.layers):
+            view = self.layer(i)
+            views[view] = views.get(view, 0) + 1
+        return views
+
     # parameter counts ------------------------------------------------------------------------
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(in_features, out_features)`` of each projection of one decoder layer, by module name
-        (Phi-3's fused ``qkv_proj`` ``(h, q + 2*kv)`` and ``gate_up_proj`` ``(h, 2*i)``)."""
-        h, i, q, kv = (
-            self.hidden,
-            self.intermediate,
-            self.heads * self.head_dim,
-            self.kv_heads * self.head_dim,
-        )
+        """``(in_features, out_features)`` of each projection of one decoder layer (view), by module
+        name: the token mixer's (:func:`~ringft.planner.shape_families.mixer_shapes`), the MLP's
+        (Phi-3's fused ``gate_up_proj`` ``(h, 2*i)``), Gemma 4's per-layer input gate and projection."""
+        h, i = self.hidden, self.intermediate
+        shapes = mixer_shapes(self)
         if self.fused:
-            return {
-                "qkv_proj": (h, q + 2 * kv),
-                "o_proj": (q, h),
-                "gate_up_proj": (h, 2 * i),
-                "down_proj": (i, h),
-            }
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
+            shapes.update(gate_up_proj=(h, 2 * i), down_proj=(i, h))
+        else:
+            shapes.update(gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h))
+        if self.per_layer_input:
+            shapes.update(per_layer_input_gate=(h, self.per_layer_input))
+            shapes.update(per_layer_projection=(self.per_layer_input, h))
+        return shapes
 
     def projections(self, group: str) -> tuple[str, ...]:
         """The module names of one input-sharing group: ``"qkv"`` (they read the first norm's
         output), ``"o"``, ``"gate_up"`` (the second norm's output) or ``"down"``."""
         if group == "qkv":
-            return ("qkv_proj",) if self.fused else ("q_proj", "k_proj", "v_proj")
+            skip = ("o_proj", "out_proj", "q_b_proj", "kv_b_proj")
+            return tuple(n for n in mixer_shapes(self) if n not in skip)
         if group == "gate_up":
             return ("gate_up_proj",) if self.fused else ("gate_proj", "up_proj")
-        return {"o": ("o_proj",), "down": ("down_proj",)}[group]
+        if group == "o":
+            return ("out_proj",) if self.mixer == "linear" else ("o_proj",)
+        return {"down": ("down_proj",)}[group]
 
     @property
     def qk_norm_params(self) -> int:
-        """q/k RMSNorm weights of one layer: ``2*d`` per head (shared by the heads), or
-        ``(nh + nkv)*d`` over all heads; 0 without q/k norms."""
+        """q/k RMSNorm weights of one layer: ``2*d`` per head (shared by the heads; ``d`` on a layer
+        reusing K/V), or ``(nh + nkv)*d`` over all heads; 0 without q/k norms."""
         if self.qk_norm == "head":
-            return 2 * self.head_dim
+            return (1 if self.kv_shared else 2) * self.head_dim
         if self.qk_norm == "all":
             return (self.heads + self.kv_heads) * self.head_dim
         return 0
 
     @property
     def layer_params(self) -> int:
-        """One decoder layer (a sparse one, where some are dense): ``h*nh*d + 2*h*nkv*d + nh*d*h +
-        3*h*i + norms*h`` (+ biases, + q/k norm weights; MoE: the experts, the router, a shared
-        expert, gpt-oss's expert and router biases and sinks)."""
-        return self.layer_params_at(-1)
+        """The largest decoder layer (a ZeRO-3 gather unit): ``h*nh*d + 2*h*nkv*d + nh*d*h +
+        3*h*i + norms*h`` for a LLaMA-style layer (+ biases, + q/k norm weights; MoE: the experts,
+        the router, a shared expert, gpt-oss's expert and router biases and sinks)."""
+        return max(self.layer_params_at(i) for i in range(self.layers))
 
     def layer_params_at(self, index: int) -> int:
-        """The parameters of decoder layer ``index`` (-1: a sparse layer of a MoE model)."""
+        """The parameters of decoder layer ``index``."""
+        return self.layer(index).own_params(active=False)
+
+    def own_params(self, active: bool = False) -> int:
+        """This layer view's parameters; ``active``: the experts one token runs (the matmul weights
+        of the time model) instead of all of them."""
         shapes = self.linear_shapes()
-        n = self.heads if self.sinks else 0
-        if self.experts and index in self.dense_layers:  # Llama 4's dense layers
-            i = self.dense_intermediate
-            shapes.update(gate_proj=(self.hidden, i), up_proj=(self.hidden, i), down_proj=(i, self.hidden))
-        elif self.experts:  # the experts' gate, up and down projections and the router
-            shapes = {k: v for k, v in shapes.items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")}
-            shapes["experts"] = (self.experts * 3 * self.hidden, self.expert_intermediate)
+        n = mixer_params(self) + self.norms * self.hidden
+        if self.per_layer_input:  # Gemma 4's post-per-layer-input norm
+            n += self.hidden
+        if self.experts:  # the experts' gate, up and down projections and the router
+            shapes = {k: v for k, v in shapes.items() if k not in ("gate_proj", "up_proj", "down_proj")}
+            count = (self.intermediate - self.shared_expert_intermediate) // self.expert_intermediate
+            experts = count if active else self.experts
+            shapes["experts"] = (experts * 3 * self.hidden, self.expert_intermediate)
             shapes["router"] = (self.hidden, self.experts)
             shapes["shared_expert"] = (3 * self.hidden, self.shared_expert_intermediate)
+            shapes["shared_expert_gate"] = (self.hidden, 1 if self.shared_expert_gate else 0)
             if self.expert_bias:  # gate_up (2 * width) and down (h) per expert, the router's
                 n += self.experts * (2 * self.expert_intermediate + self.hidden + 1)
-        n += sum(a * b for a, b in shapes.values()) + self.norms * self.hidden
-        if self.attention_bias:
-            n += (self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden
-        elif self.qkv_bias:
-            n += (self.heads + 2 * self.kv_heads) * self.head_dim
-        if self.mlp_bias:
+        elif self.mlp_bias:
             n += 2 * self.intermediate + self.hidden
-        return n + self.qk_norm_params
+        return n + sum(a * b for a, b in shapes.values())
 
     @property
     def embedding_params(self) -> int:
@@ -209,45 +272,43 @@ class ModelShape:
         return 0 if self.tie_embeddings else self.vocab * self.hidden
 
     @property
+    def per_layer_input_params(self) -> int:
+        """Gemma 4's per-layer inputs: their embedding ``V' x L*p``, projection ``h x L*p`` and norm ``p``."""
+        p = self.per_layer_input
+        return p * (self.layers * (self.per_layer_vocab + self.hidden) + 1) if p else 0
+
+    @property
     def total_params(self) -> int:
-        """``L * layer_params + V*h (embedding) + V*h (lm_head, unless tied) + h (final norm)``."""
+        """``sum of the layers + V*h (embedding) + V*h (lm_head, unless tied) + h (final norm)``
+        (+ Gemma 4's per-layer input embedding and projection)."""
         layers = sum(self.layer_params_at(i) for i in range(self.layers))
-        return layers + self.embedding_params + self.lm_head_params + self.hidden
+        extra = self.per_layer_input_params
+        return layers + self.embedding_params + self.lm_head_params + self.hidden + extra
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """q/k/v/o (:data:`DEFAULT_LORA_TARGETS`) where the model has them all; else the family's
+        attention projections (latent attention's ``q_a_proj``, ``kv_b_proj``, ...)."""
+        names = {n for i in range(self.layers) for n in self.layer(i).linear_shapes()}
+        if set(DEFAULT_LORA_TARGETS) <= names:
+            return DEFAULT_LORA_TARGETS
+        family = FAMILIES.get(self.model_type)
+        own = family.attention_projections if family else DEFAULT_LORA_TARGETS
+        return tuple(n for n in own if n in names)
 
     def lora_params(self, rank: int, targets: Iterable[str] = DEFAULT_LORA_TARGETS) -> int:
-        """``L * sum over targets of r * (in + out)`` (A is ``r x in``, B is ``out x r``)."""
-        shapes = self.linear_shapes()
+        """``sum over layers and targets of r * (in + out)`` (A is ``r x in``, B is ``out x r``); a
+        target adapts the layers that have it (as peft matches names), and must exist in one."""
+        targets = tuple(targets)
+        per_layer = [self.layer(i).linear_shapes() for i in range(self.layers)]
         if self.experts:  # the experts are not nn.Linear modules
-            shapes = {k: v for k, v in shapes.items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")}
-        unknown = [t for t in targets if t not in shapes]
+            mlp = ("gate_proj", "up_proj", "down_proj")
+            per_layer = [{k: v for k, v in s.items() if k not in mlp} for s in per_layer]
+        known = list(dict.fromkeys(n for s in per_layer for n in s))
+        unknown = [t for t in targets if t not in known]
         if unknown:
-            raise ValueError(f"unknown LoRA target(s) {unknown}; choose from {', '.join(shapes)}")
-        return self.layers * sum(rank * sum(shapes[t]) for t in targets)
-
-
-def _moe(get) -> tuple[int, int, int, dict[str, Any]]:
-    """``(experts, expert width, per-token width, other ModelShape fields)`` of a MoE config; a
-    Qwen3-MoE config with dense layers (``mlp_only_layers``, ``decoder_sparse_step > 1``) is
-    refused: not modelled. Llama 4: a shared expert of the expert width (counted in the per-token
-    width), dense layers per ``moe_layers`` / ``interleave_moe_layer_step`` of width
-    ``intermediate_size_mlp``; gpt-oss: biased experts and router."""
-    if get("mlp_only_layers") or int(get("decoder_sparse_step") or 1) != 1:
-        raise ValueError("the planner models MoE configs whose every layer is sparse (mlp_only_layers: [])")
-    experts = int(get("num_experts") or get("num_local_experts"))
-    width = int(get("moe_intermediate_size") or get("intermediate_size"))
-    per_token = int(get("num_experts_per_tok") or get("experts_per_token")) * width
-    extra: dict[str, Any] = {"expert_bias": get("model_type") == "gpt_oss"}
-    if get("model_type") == "llama4_text":
-        layers, step = int(get("num_hidden_layers")), int(get("interleave_moe_layer_step") or 1)
-        moe = get("moe_layers")
-        moe = list(range(step - 1, layers, step)) if moe is None else list(moe)  # Llama4TextConfig's rule
-        extra.update(
-            shared_expert_intermediate=width,
-            dense_layers=tuple(i for i in range(layers) if i not in moe),
-            dense_intermediate=int(get("intermediate_size_mlp") or 0),
-        )
-        per_token += width
-    return experts, width, per_token, extra
+            raise ValueError(f"unknown LoRA target(s) {unknown}; choose from {', '.join(known)}")
+        return sum(rank * sum(s[t]) for s in per_layer for t in targets if t in s)
 
 
 def load_model_shape(model: Any) -> ModelShape:

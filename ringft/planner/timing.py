@@ -27,6 +27,13 @@ micro-batch ``B``, ``H`` query / ``H_kv`` K/V heads of dim ``d``, ``a`` bytes pe
   layer's forward (communication included) runs twice. LoRA: the frozen weights get no weight
   gradient, ``4`` instead of ``6`` (the adapters' rank-``r`` products are not counted); the tiled
   MLP recomputes the MLP's forward once more in its backward.
+- **layer kinds** (:meth:`ModelShape.layer_views`): each term is summed over the layers, each at
+  its own sizes (Gemma 4's local and global head dims; latent attention's K/V at ``d + dv`` per head
+  on the ring and ``B S^2 H (d + dv)`` forward FLOP); a MoE layer's matmuls count the experts one
+  token runs. A Gated DeltaNet layer has no attention and no ring K/V: its chunked delta rule
+  (:func:`ringft.planner.mixers.linear_flops`) runs at ``matmul_tflops`` and its state / halo
+  exchanges (:func:`ringft.planner.mixers.linear_exchange_seconds`) are not overlapped (both
+  unmeasured).
 - **attention checkpoint** (``save`` / ``offload``): the recompute skips the attention forward
   (one attention forward per layer less; the offload's host copies are assumed hidden).
 - **memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, casts, LoRA's fp32 input copies):
@@ -50,6 +57,7 @@ from dataclasses import dataclass, field
 
 from ringft.ops.sharding import zigzag_length_problem
 from ringft.ops.ulysses import heads_problem, kv_replication
+from ringft.planner.mixers import linear_exchange_seconds, linear_flops
 from ringft.planner.shapes import ModelShape
 
 __all__ = [
@@ -143,6 +151,7 @@ class StepTime:
     kv_copies: int
     traffic: LayerTraffic
     elementwise: float = 0.0  # memory-bound kernels (token_layer_us), whole step
+    linear_attention: float = 0.0  # Gated DeltaNet kernels and their exchanges, whole step
     links: dict[str, str] = field(default_factory=dict)  # "ring"/"ulysses" -> "NVLink"/"InfiniBand"
 
     @property
@@ -156,8 +165,12 @@ class StepTime:
 
 
 def attention_flops(shape: ModelShape, seq_len: int, batch: int = 1) -> tuple[float, float]:
-    """Causal attention FLOP of one layer over the whole sequence: ``(forward, backward)``."""
-    fwd = 2.0 * batch * seq_len**2 * shape.heads * shape.head_dim
+    """Causal attention FLOP of one layer (view) over the whole sequence: ``(forward, backward)``;
+    ``B S^2 nh (d + dv)`` forward (``2 B S^2 nh d`` when V's head dim is q/k's), none in a Gated
+    DeltaNet layer."""
+    if shape.mixer == "linear":
+        return 0.0, 0.0
+    fwd = 1.0 * batch * seq_len**2 * shape.heads * (shape.head_dim + shape.v_dim)  # QK^T and PV, causal
     return fwd, 2.5 * fwd
 
 
@@ -186,11 +199,12 @@ def layer_traffic(
     """Exactly what :func:`ringft.ops.ulysses.ulysses_ring_attention` sends per rank and layer."""
     u, r, cp = ulysses, ring, ulysses * ring
     kv = shape.kv_heads * kv_replication(shape.kv_heads, u)
-    local = batch * (seq_len // cp) * shape.head_dim * dtype_bytes  # one head, this rank's tokens
-    qkv, out = local * (shape.heads + 2 * kv), local * shape.heads
+    d, dv = shape.head_dim, shape.v_dim
+    local = batch * (seq_len // cp) * dtype_bytes  # one value of this rank's tokens
+    qkv, out = local * (shape.heads * d + kv * (d + dv)), local * shape.heads * dv
     a2a = (qkv, out, out, qkv) if u > 1 else ()  # fwd: qkv, out; bwd: dout, dqkv
     leaves = lambda b: b * (u - 1) // u  # noqa: E731 - the slices for the other U - 1 ranks
-    kv_block = 2 * batch * (seq_len // r) * (kv // u) * shape.head_dim * dtype_bytes
+    kv_block = batch * (seq_len // r) * (kv // u) * (d + dv) * dtype_bytes
     grad_block = kv_block * max(4, dtype_bytes) // dtype_bytes  # fp32 (fp64) accumulators
     sends = (r - 1, r - 1) if r > 1 else (0, 0)
     return LayerTraffic(
@@ -279,48 +293,65 @@ def step_time(
     problem = zigzag_length_problem(seq_len, cp)
     if problem:
         raise ValueError(problem)
-    fwd_flops, bwd_flops = (f / cp for f in attention_flops(shape, seq_len, batch))
-    peak = hw.attn_tflops * 1e12
-    c_f, c_b = (t / r for t in attention_seconds(shape, seq_len, u, r, hw=hw, batch=batch))  # one step
-    traffic = layer_traffic(shape, seq_len, u, r, batch, dtype_bytes)
+    if shape.linear_layers and u > 1:
+        raise ValueError(f"ulysses {u}: the Gated DeltaNet layers of this hybrid run on the plain ring only")
+    peak, matmul = hw.attn_tflops * 1e12, hw.matmul_tflops * 1e12
     link = _ring_link(num_gpus, cp, u, hw)
-    ring_f, ring_b = _ring_times(c_f, c_b, traffic, r, link)
-    a2a = [_a2a_time(b, num_gpus, cp, u, hw) for b in traffic.a2a_buffers]
-    a2a_f, a2a_b = sum(t for t, _ in a2a[:2]), sum(t for t, _ in a2a[2:])
     tokens = batch * seq_len // cp
-    lin_f = 2.0 * tokens * shape.layer_params / (hw.matmul_tflops * 1e12)
-    mlp = ("gate_up_proj", "down_proj", "gate_proj", "up_proj")
-    mlp_f = 2.0 * tokens * sum(a * b for n, (a, b) in shape.linear_shapes().items() if n in mlp)
-    mlp_f /= hw.matmul_tflops * 1e12
     passes = 2 if gradient_checkpointing else 1  # forward passes per step
     attn_passes = 1 if attention_checkpoint in ("save", "offload") else passes
     bwd_units = 1 if lora else 2  # input grads (+ weight grads)
-    lin_step = (passes + bwd_units) * lin_f + (mlp_f if tiled_mlp else 0.0)
-    layer = lin_step + passes * a2a_f + attn_passes * ring_f + a2a_b + ring_b
-    head = (4.0 if lora else 6.0) * tokens * shape.vocab * shape.hidden / (hw.matmul_tflops * 1e12)
-    L = shape.layers
-    elementwise = L * tokens * hw.token_layer_us * 1e-6
-    ideal = L * (attn_passes * fwd_flops + bwd_flops) / peak
-    compute = L * r * (attn_passes * c_f + c_b)
+    mlp = ("gate_up_proj", "down_proj", "gate_proj", "up_proj")
+    sums = dict.fromkeys(("layers", "ideal", "compute", "ring", "a2a", "linear", "gdn"), 0.0)
+    traffic, crosses = layer_traffic(shape.layer(0), seq_len, u, r, batch, dtype_bytes), False
+    for view, count in shape.layer_views().items():
+        lin_f = 2.0 * tokens * view.own_params(active=True) / matmul
+        mlp_f = 2.0 * tokens * sum(a * b for n, (a, b) in view.linear_shapes().items() if n in mlp) / matmul
+        lin_step = (passes + bwd_units) * lin_f + (mlp_f if tiled_mlp else 0.0)
+        sums["linear"] += count * lin_step
+        if view.mixer == "linear":  # the chunked delta rule (at the matmul rate) and its exchanges
+            f, b = linear_flops(view, tokens)
+            x_f, x_b = linear_exchange_seconds(view, batch, r, link[0], link[1], dtype_bytes)
+            gdn = (passes * f + b) / matmul + passes * x_f + x_b
+            sums["gdn"] += count * gdn
+            sums["layers"] += count * (lin_step + gdn)
+            continue
+        fwd_flops, bwd_flops = (f / cp for f in attention_flops(view, seq_len, batch))
+        c_f, c_b = (t / r for t in attention_seconds(view, seq_len, u, r, hw=hw, batch=batch))  # one step
+        traffic = layer_traffic(view, seq_len, u, r, batch, dtype_bytes)
+        ring_f, ring_b = _ring_times(c_f, c_b, traffic, r, link)
+        a2a = [_a2a_time(b, num_gpus, cp, u, hw) for b in traffic.a2a_buffers]
+        a2a_f, a2a_b = sum(t for t, _ in a2a[:2]), sum(t for t, _ in a2a[2:])
+        crosses |= any(c for _, c in a2a)
+        sums["layers"] += count * (lin_step + passes * a2a_f + attn_passes * ring_f + a2a_b + ring_b)
+        sums["ideal"] += count * (attn_passes * fwd_flops + bwd_flops) / peak
+        sums["compute"] += count * r * (attn_passes * c_f + c_b)
+        sums["ring"] += count * (attn_passes * ring_f + ring_b)
+        sums["a2a"] += count * (passes * a2a_f + a2a_b)
+    head = (4.0 if lora else 6.0) * tokens * shape.vocab * shape.hidden / matmul
+    elementwise = shape.layers * tokens * hw.token_layer_us * 1e-6
     return StepTime(
         ulysses=u,
         ring=r,
-        seconds=L * layer + head + elementwise,
-        attention_ideal=ideal,
-        attention_inefficiency=compute - ideal,
-        ring_exposed=L * (attn_passes * ring_f + ring_b) - compute,
-        all_to_all=L * (passes * a2a_f + a2a_b),
-        linear=L * lin_step + head,
+        seconds=sums["layers"] + head + elementwise,
+        attention_ideal=sums["ideal"],
+        attention_inefficiency=sums["compute"] - sums["ideal"],
+        ring_exposed=sums["ring"] - sums["compute"],
+        all_to_all=sums["a2a"],
+        linear=sums["linear"] + head,
         elementwise=elementwise,
+        linear_attention=sums["gdn"],
         kv_copies=kv_replication(shape.kv_heads, u),
         traffic=traffic,
         links={
             "ring": ("InfiniBand" if link[2] else "NVLink") if r > 1 else "-",
-            "ulysses": ("InfiniBand" if any(c for _, c in a2a) else "NVLink") if u > 1 else "-",
+            "ulysses": ("InfiniBand" if crosses else "NVLink") if u > 1 else "-",
         },
     )
 
 
 def layouts_of(shape: ModelShape, cp: int) -> list[tuple[int, int]]:
-    """Every ``(ulysses, ring)`` with ``ulysses * ring == cp`` whose Ulysses size splits the heads."""
-    return [(u, cp // u) for u in range(1, cp + 1) if cp % u == 0 and not heads_problem(shape.heads, u)]
+    """Every ``(ulysses, ring)`` with ``ulysses * ring == cp`` whose Ulysses size splits the heads
+    (the ring alone for a model with Gated DeltaNet layers)."""
+    sizes = [1] if shape.linear_layers else range(1, cp + 1)
+    return [(u, cp // u) for u in sizes if cp % u == 0 and not heads_problem(shape.heads, u)]
