@@ -1,14 +1,14 @@
 """Packed-document (per-document causal) zigzag attention vs unmasked causal, emulated on one CPU.
 
 The N-rank ring schedule runs in one process (``ringft.ops.emulate.run_schedule``, no communication),
-forward + backward, with and without a document plan, on one global sequence of ``--seq`` tokens
+forward + backward, with and without a document layout, on one global sequence of ``--seq`` tokens
 cut into 1, 16 and 256 documents (seeded uniform cut points; any lengths). For each layout:
 
 - step time: the sum over ranks of each rank's forward + backward compute, and the slowest rank's,
   both relative to the unmasked run. Times are this process's CPU time (one thread:
   ``time.process_time``), so other load on the machine does not count; layouts are interleaved
   within each repeat and the minimum over repeats is kept;
-- FLOPs: attention (query, key) pairs computed, relative to unmasked causal (``DocumentPlan``);
+- FLOPs: attention (query, key) pairs computed, relative to unmasked causal (``DocumentLayout``);
 - overhead vs ideal: (time ratio) / (FLOP ratio); 1.0 = time proportional to FLOPs. Target
   <= 1.10 at 16 documents;
 - per-rank imbalance: max / min over ranks of compute time and of pairs; "balanced" rows reorder
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import describe_machine  # noqa: E402
 from ringft.data.packer import balanced_order  # noqa: E402
 from ringft.ops import DTYPES, default_softmax_scale, get_backend  # noqa: E402
-from ringft.ops.documents import document_plan  # noqa: E402
+from ringft.ops.documents import document_layout  # noqa: E402
 from ringft.ops.emulate import run_schedule  # noqa: E402
 from ringft.ops.sharding import cp_shard  # noqa: E402
 
@@ -63,14 +63,14 @@ def cut_points(seq: int, docs: int, seed: int, world: int, balanced: bool) -> li
 def layout_pairs(args, cu: list[int] | None) -> list[int]:
     """Attention (query, key) pairs per rank for offsets ``cu`` (None: unmasked causal)."""
     n, seq = args.world, args.seq
-    return [document_plan([cu or [0, seq]], seq, r, n).attention_pairs() for r in range(n)]
+    return [document_layout([cu or [0, seq]], seq, r, n).attention_pairs() for r in range(n)]
 
 
 def time_layout(args, shards, cu: list[int] | None) -> list[float]:
-    """CPU seconds of each rank's forward + backward for offsets ``cu`` (None: no plan at all)."""
+    """CPU seconds of each rank's forward + backward for offsets ``cu`` (None: no documents at all)."""
     n, seq = args.world, args.seq
     kernel = get_backend(args.backend, torch.device("cpu"), DTYPES[args.dtype])
-    plans = None if cu is None else [document_plan([cu], seq, r, n) for r in range(n)]
+    layouts = None if cu is None else [document_layout([cu], seq, r, n) for r in range(n)]
     spent = [0.0] * n
 
     def timer(r, fn):
@@ -81,7 +81,7 @@ def time_layout(args, shards, cu: list[int] | None) -> list[float]:
     scale = default_softmax_scale(args.head_dim)
     for rank in range(n):
         run_schedule(
-            kernel, *shards, causal=True, softmax_scale=scale, ranks=[rank], timer=timer, plans=plans
+            kernel, *shards, causal=True, softmax_scale=scale, ranks=[rank], timer=timer, layouts=layouts
         )
     return spent
 

@@ -9,12 +9,12 @@ windowed exchange of ``ringft.ops.windows`` for each ``--windows`` value. For ea
   so other load on a shared machine does not count; runs are interleaved within each repeat and the
   minimum over repeats is kept;
 - FLOPs: (query, key) pairs computed by an exact kernel, i.e. the visible pairs
-  (``WindowPlan.attention_pairs``), relative to causal;
+  (``WindowSchedule.attention_pairs``), relative to causal;
 - overhead vs ideal: (time ratio) / (FLOP ratio); 1.0 = time proportional to FLOPs. A window
   does not balance the ranks as zigzag balances causal work (rank 0 holds the sequence's start,
   where windows are short): compare the slowest rank's time with the busiest rank's FLOPs;
 - K/V bytes sent per rank and layer (the busiest rank), forward and forward + backward, from the
-  schedule (``WindowPlan``): the ring sends N - 1 full K/V blocks forward, and in the backward
+  schedule (``WindowSchedule``): the ring sends N - 1 full K/V blocks forward, and in the backward
   N - 1 again plus N hops of fp32 dK/dV; the windowed exchange sends only the chunks in reach,
   and in the backward those again plus the fp32 dK/dV of the chunks it received.
 
@@ -39,7 +39,7 @@ from benchmarks.machine import describe_machine  # noqa: E402
 from ringft.ops import DTYPES, default_softmax_scale, get_backend, torch_backend  # noqa: E402
 from ringft.ops.emulate import run_schedule  # noqa: E402
 from ringft.ops.sharding import cp_shard  # noqa: E402
-from ringft.ops.windows import window_chunks, window_plan  # noqa: E402
+from ringft.ops.windows import window_chunks, window_schedule  # noqa: E402
 
 
 def _int_list(text: str) -> list[int]:
@@ -81,11 +81,11 @@ def traffic(args, window: int | None) -> tuple[float, float]:
     if window is None:
         fwd = (n - 1) * 2 * per_chunk * item
         return fwd / 2**20, (2 * fwd + n * 2 * per_chunk * 4) / 2**20
-    plan = window_plan(args.seq, n, window)
+    schedule = window_schedule(args.seq, n, window)
     best = (0.0, 0.0)
     for r in range(n):
-        fwd = plan.chunks_sent(r) * per_chunk * item
-        received = sum(map(len, plan.needs[r]))
+        fwd = schedule.chunks_sent(r) * per_chunk * item
+        received = sum(map(len, schedule.needs[r]))
         best = max(best, (fwd / 2**20, (2 * fwd + received * per_chunk * 4) / 2**20))
     return best
 
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for window in args.windows:
         t = best[window]
-        plan = window_plan(args.seq, args.world, window)
-        pairs = [plan.attention_pairs(r) for r in range(args.world)]
+        schedule = window_schedule(args.seq, args.world, window)
+        pairs = [schedule.attention_pairs(r) for r in range(args.world)]
         flops, busiest = sum(pairs) / causal, max(pairs) / (causal / args.world)
         fwd, both = traffic(args, window)
         if ring_t:
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cells = f"- | - | {flops:.4f} | {busiest:.4f} | -"
         print(
-            f"| {window} | {window_chunks(args.seq, args.world, window)} | {plan.steps} | {sum(t) * 1e3:.0f} "
+            f"| {window} | {window_chunks(args.seq, args.world, window)} | {schedule.steps} "
+            f"| {sum(t) * 1e3:.0f} "
             f"| {cells} | {fwd:.1f} ({ring_mib[0]:.1f}) | {both:.1f} ({ring_mib[1]:.1f}) |"
         )
 

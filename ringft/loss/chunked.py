@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from ringft.ops.dtypes import accumulator_dtype
+from ringft.utils.values import as_integer
 
 __all__ = ["chunk_logits", "chunked_lm_loss", "check_chunking", "given_denominator"]
 
@@ -153,8 +154,7 @@ def check_chunking(hidden: Tensor, labels: Tensor, chunk_size: int) -> None:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} must be labels.shape {tuple(labels.shape)} + (hidden_size,)"
         )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    as_integer("chunk_size", chunk_size, 1)
 
 
 def given_denominator(num_items_in_batch: int | Tensor | None) -> Tensor | None:

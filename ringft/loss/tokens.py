@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ringft.loss.chunked import chunk_logits
 from ringft.loss.head import output_projection
 from ringft.ops.dtypes import accumulator_dtype
+from ringft.utils.values import as_integer
 
 __all__ = ["TokenComparison", "compare_next_token", "head_parameters", "token_nll"]
 
@@ -41,8 +42,7 @@ def _check(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int) -> 
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight must be (vocab, {hidden.shape[1]}), got {tuple(weight.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    as_integer("chunk_size", chunk_size, 1)
     if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < weight.shape[0]):
         raise ValueError(f"targets must be token ids in [0, {weight.shape[0]})")
 

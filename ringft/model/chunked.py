@@ -6,7 +6,7 @@ query and a key in the same chunk when ``position // chunk_size`` agrees, on the
 packed row (``remap_positions_for_packed_sequence``), i.e. the chunk grid restarts at every
 document's start. That is a block-diagonal mask, so it is one more set of packed documents: each
 document ``[a, b)`` cut at ``a + chunk_size, a + 2 * chunk_size, ...`` (:func:`chunk_offsets`). The
-decoder pre-hook hands the chunked layers this forward's :class:`~ringft.ops.documents.DocumentPlan`
+decoder pre-hook hands the chunked layers this forward's :class:`~ringft.ops.documents.DocumentLayout`
 of those pieces (``ring_chunks``), so every ring step whose blocks share no piece is skipped, as
 for packed documents.
 
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ringft.utils.values import as_integer, problems
+
 if TYPE_CHECKING:  # no torch import at run time: ringft.model.families (read by the planner) imports this
     import torch
 
@@ -38,10 +40,10 @@ __all__ = [
     "chunk_size",
     "prepare_chunked_attention",
     "release_chunked_attention",
-    "ring_query_and_plan",
+    "ring_query_and_documents",
 ]
 
-CHUNKS = "ring_chunks"  # decoder kwarg set by the pre-hook: the chunked layers' DocumentPlan
+CHUNKS = "ring_chunks"  # decoder kwarg set by the pre-hook: the chunked layers' DocumentLayout
 POSITIONS = "ring_positions"  # decoder kwarg set by the pre-hook: global position ids (temperature)
 _TEMPERATURE = "_ringft_temperature"  # attention-module attribute: (attn_scale, floor_scale)
 _CHUNKED = "_ringft_chunked"  # attention-module attribute: this layer attends within chunks
@@ -60,7 +62,7 @@ def chunk_problem(config: Any) -> str | None:
     if "chunked_attention" not in kinds:
         return None
     size = getattr(config, "attention_chunk_size", None)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if problems(lambda: as_integer("attention_chunk_size", size, 1)):
         return (
             f"config.layer_types has chunked_attention layers but attention_chunk_size={size!r}: it must "
             "be a positive integer (the chunk length in tokens)"
@@ -116,12 +118,15 @@ def release_chunked_attention(modules: list[torch.nn.Module]) -> None:
             module.attn_temperature_tuning = True
 
 
-def ring_query_and_plan(module: torch.nn.Module, query: torch.Tensor, kwargs: dict, plan: Any) -> tuple:
-    """``(query, document plan)`` for ``module``'s ring call: the query with the NoPE temperature
-    applied (``query`` ``(B, S, H, D)``), and the chunk plan on a chunked layer (else ``plan``)."""
+def ring_query_and_documents(
+    module: torch.nn.Module, query: torch.Tensor, kwargs: dict, documents: Any
+) -> tuple:
+    """``(query, document layout)`` for ``module``'s ring call: the query with the NoPE temperature
+    applied (``query`` ``(B, S, H, D)``), and the chunks' layout on a chunked layer (else
+    ``documents``)."""
     params = module.__dict__.get(_TEMPERATURE)
     if params is not None:
         query = attention_temperature(query, kwargs.get(POSITIONS), *params)
     if module.__dict__.get(_CHUNKED):
-        plan = kwargs.get(CHUNKS)
-    return query, plan
+        documents = kwargs.get(CHUNKS)
+    return query, documents

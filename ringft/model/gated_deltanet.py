@@ -155,8 +155,8 @@ def _ring_forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
     problem = halo_problem(seq_local, self.conv1d.weight.shape[-1], spec.size)
     if problem:
         raise ValueError(problem)
-    plan = kwargs.get(DOCUMENTS)
-    offsets = None if plan is None else plan.offsets
+    layout = kwargs.get(DOCUMENTS)
+    offsets = None if layout is None else layout.offsets
     token = _ACTIVE.set(_Active(spec, offsets, seq_local * spec.size))
     try:
         return type(self).forward(self, hidden_states, *args, **kwargs)

@@ -30,7 +30,12 @@ import torch.distributed as dist
 
 from ringft.model.chunked import CHUNKS, POSITIONS, chunk_offsets, chunk_problem, chunk_size
 from ringft.model.rope import rope_problem
-from ringft.ops.documents import DocumentPlan, check_cu_seqlens, cu_seqlens_from_position_ids, document_plan
+from ringft.ops.documents import (
+    DocumentLayout,
+    check_cu_seqlens,
+    cu_seqlens_from_position_ids,
+    document_layout,
+)
 from ringft.ops.sharding import cp_position_ids, cp_unshard, local_length_problem, zigzag_padded_length
 from ringft.ops.validate import DTYPE_CODES, checksum, exchange_facts, raise_if_facts_differ, raise_problems
 
@@ -47,7 +52,7 @@ __all__ = [
 ]
 
 CHECKED = "ring_checked"  # decoder kwarg set by the pre-hook: this forward's inputs were validated
-DOCUMENTS = "ring_documents"  # decoder kwarg set by the pre-hook: this forward's DocumentPlan
+DOCUMENTS = "ring_documents"  # decoder kwarg set by the pre-hook: this forward's DocumentLayout
 OFFSETS = "cu_seqlens"  # the batch key of ringft's per-row global document offsets
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 WHERE = "ring attention"
@@ -180,19 +185,19 @@ def _offsets_from_positions(positions: torch.Tensor | None, spec: Any) -> list[l
     return cu_seqlens_from_position_ids(positions)
 
 
-def _plan(offsets: list[list[int]], seq_len: int, batch: int, spec: Any) -> DocumentPlan | None:
-    """This rank's plan (for its *ring* rank and the ring's size: the ring masks the documents),
-    or None when every row is one document (the unmasked schedule)."""
+def _layout(offsets: list[list[int]], seq_len: int, batch: int, spec: Any) -> DocumentLayout | None:
+    """This rank's document layout (for its *ring* rank and the ring's size: the ring masks the
+    documents), or None when every row is one document (the unmasked schedule)."""
     if all(len(row) == 2 for row in offsets):
         return None
-    plan = document_plan(offsets, seq_len, spec.ring_rank, spec.ring_size, batch=batch)
-    return None if plan.single else plan
+    layout = document_layout(offsets, seq_len, spec.ring_rank, spec.ring_size, batch=batch)
+    return None if layout.single else layout
 
 
 def check_forward_inputs(spec: Any, config, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """The decoder pre-hook's work on ``kwargs`` (modified in place): refuse what the ring cannot
     run exactly, on every rank together; drop an all-ones mask, default ``use_cache`` to False, and
-    hand the attention calls this forward's :class:`DocumentPlan` and the mark that it was checked
+    hand the attention calls this forward's :class:`DocumentLayout` and the mark that it was checked
     (``spec``: the model's :class:`ringft.model.patch.RingSpec`)."""
     cache = kwargs.get("ring_cache")
     ids = kwargs.get("input_ids", args[0] if args else None)
@@ -236,8 +241,8 @@ def check_forward_inputs(spec: Any, config, module: torch.nn.Module, args: tuple
     if offsets is None and not all(flag for _, _, (flag,) in rows):  # packed: one more all_gather
         offsets = _offsets_from_positions(positions, spec)
     if offsets is not None:
-        kwargs[DOCUMENTS] = _plan(offsets, seq_local * spec.size, batch, spec)
+        kwargs[DOCUMENTS] = _layout(offsets, seq_local * spec.size, batch, spec)
     if chunk is not None:
         whole = offsets if offsets is not None else [[0, seq_local * spec.size]] * batch
-        kwargs[CHUNKS] = _plan(chunk_offsets(whole, chunk), seq_local * spec.size, batch, spec)
+        kwargs[CHUNKS] = _layout(chunk_offsets(whole, chunk), seq_local * spec.size, batch, spec)
     kwargs[CHECKED] = True

@@ -1,6 +1,6 @@
 """transformers integration: run a decoder model's attention as zigzag ring attention.
 
-transformers (>= 5) routes the attention of LLaMA-style models through its ``AttentionInterface``
+transformers (>= 5) routes the attention of its decoder models through its ``AttentionInterface``
 registry: the attention module calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with
 q ``(batch, heads_q, seq_local, head_dim)`` and k/v ``(batch, heads_kv, seq_local, head_dim)``
 (RoPE applied, GQA not expanded). :func:`apply_ring_attention` registers the ring under the plain
@@ -14,7 +14,7 @@ together (one small all_gather; :mod:`ringft.model.inputs`): it refuses padding 
 otherwise be dropped), insists on the global position ids that RoPE needs, refuses RoPE types that
 are not exact under zigzag sharding, checks that every rank got the same shapes and document
 offsets, and turns the offsets (the batch's ``cu_seqlens``, or transformers' ``cu_seq_lens_q/k``)
-into this rank's document plan. The per-layer attention calls then skip that collective. Keyword
+into this rank's document layout. The per-layer attention calls then skip that collective. Keyword
 arguments of the decoder reach the attention function, which is how :mod:`ringft.model.inference`
 hands it its KV cache (``ring_cache=``). With ``attention_checkpoint`` ``save`` / ``offload`` the
 pre-hook also makes the checkpointed layers keep their ring outputs for the recompute
@@ -34,7 +34,11 @@ from ringft.model.attention_checkpoint import (
     prepare_attention_checkpoint,
     unwrap_checkpointing,
 )
-from ringft.model.chunked import prepare_chunked_attention, release_chunked_attention, ring_query_and_plan
+from ringft.model.chunked import (
+    prepare_chunked_attention,
+    release_chunked_attention,
+    ring_query_and_documents,
+)
 from ringft.model.gated_deltanet import (
     linear_attention_problem,
     prepare_linear_attention,
@@ -157,7 +161,7 @@ def ring_attention_forward(
             "do not compute them (use ulysses_size 1 and model.generate in one process)"
         )
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D)
-    q, documents = ring_query_and_plan(module, q, kwargs, kwargs.get(DOCUMENTS))  # Llama 4
+    q, documents = ring_query_and_documents(module, q, kwargs, kwargs.get(DOCUMENTS))  # Llama 4
     if ring_cache is not None and ring_cache.is_filled(module.layer_idx):
         out = ring_cache.decode_attention(
             module.layer_idx,

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ringft.utils.values import as_integer
+
 __all__ = ["tile_modules", "untile_modules"]
 
 
@@ -62,10 +64,8 @@ def tile_modules(modules: list[nn.Module], attr: str, num_tiles: int | None, til
 
     ``num_tiles`` (when given) overrides ``tile_tokens`` (rows per tile; the last may be smaller).
     Idempotent: a second call updates the settings. Raises ``ValueError`` for a bad setting."""
-    if num_tiles is not None and num_tiles < 1:
-        raise ValueError(f"num_tiles must be >= 1, got {num_tiles}")
-    if tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
+    as_integer("num_tiles", num_tiles, 1, optional=True)
+    as_integer("tile_tokens", tile_tokens, 1)
     for module in modules:
         state: _TiledState | None = getattr(module, attr, None)
         if state is not None:

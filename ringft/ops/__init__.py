@@ -3,13 +3,16 @@ checks of ``ringft.utils``.
 
 Modules: ``dtypes`` (dtype names, accumulator dtype), ``merge`` (log-sum-exp merge), ``backends``
 (block backend interface, choice and the list of names; backends in ``reference``,
-``torch_backend``, ``flash_backend``, ``cudnn_backend``), ``comm`` (ring exchange),
-``zigzag_blocks`` + ``zigzag`` (the operator), ``ring_checks`` (its input checks), ``validate``
+``torch_backend``, ``flash_backend``, ``cudnn_backend``), ``comm`` (the point-to-point exchange),
+``ring_loop`` (the one forward / backward loop over a schedule), ``zigzag_blocks`` (the full ring's
+schedule) + ``zigzag`` (the operator), ``ring_checks`` (its input checks), ``validate``
 (every rank fails together: one exchange of facts, then the checks), ``decode`` (sharded KV cache
 for inference), ``sharding`` (which tokens a CP rank holds: shard / unshard / global positions, the
 sequence-length rule, for the ring and for Ulysses x ring), ``documents`` (packed documents on the
-ring), ``emulate`` (the ring's schedule in one process), ``parallel`` (the DP x CP process layout,
-CP = Ulysses x ring, over one device mesh);
+ring), sliding windows (``windows``: which chunks meet and the exchange schedule; ``window_blocks``:
+its steps; ``band``, ``flash_window``: band attention between two blocks), ``emulate`` (the
+ring's schedule in one process), ``parallel`` (the DP x CP process layout, CP = Ulysses x ring,
+over one device mesh);
 2D context parallelism (Ulysses x ring): ``alltoall`` (sequence <-> head shards), ``ulysses`` (the
 operator).
 """

@@ -5,7 +5,7 @@ Step 0 is a varlen causal attention over the local document ranges: a backend's 
 otherwise fused calls per document, or, where the backend is a ``MaskedTileAttention`` whose
 ``causal_tile`` asks for it (torch on CPU), aligned tiles in one batched masked call plus
 rectangles. Later steps are one unmasked rectangle per row (or none).
-Batch rows with the same plan share each call.
+Batch rows with the same layout share each call.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from ringft.ops.backends import BlockAttention, MaskedTileAttention, VarlenAttention
-from ringft.ops.documents import DocumentPlan, RowPlan
+from ringft.ops.documents import DocumentLayout, RowLayout
 from ringft.ops.dtypes import accumulator_dtype
 from ringft.ops.merge import merge_attention_
 
@@ -33,10 +33,10 @@ __all__ = [
 ]
 
 
-def _row_groups(plan: DocumentPlan) -> list[tuple[slice, RowPlan]]:
-    if plan.uniform:
-        return [(slice(None), plan.rows[0])]
-    return [(slice(b, b + 1), row) for b, row in enumerate(plan.rows)]
+def _row_groups(layout: DocumentLayout) -> list[tuple[slice, RowLayout]]:
+    if layout.uniform:
+        return [(slice(None), layout.rows[0])]
+    return [(slice(b, b + 1), row) for b, row in enumerate(layout.rows)]
 
 
 @lru_cache(maxsize=64)
@@ -207,15 +207,15 @@ def forward_block_documents(
     lse: Tensor | None,
     *,
     step: int,
-    plan: DocumentPlan,
+    layout: DocumentLayout,
     softmax_scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`ringft.ops.zigzag_blocks.forward_block` restricted to the documents of ``plan``.
+    """:func:`ringft.ops.zigzag_blocks.forward_block` restricted to the documents of ``layout``.
 
     q ``(B, seq_local, Hq, D)``, kb/vb ``(B, seq_local, Hkv, D)``; accumulators ``out``
     ``(B, seq_local, Hq, D)`` and ``lse`` ``(B, Hq, seq_local)`` are created at step 0.
     """
-    groups = _row_groups(plan)
+    groups = _row_groups(layout)
     if step == 0:
         if len(groups) == 1:
             return varlen_forward(kernel, q, kb, vb, groups[0][1].diagonal, softmax_scale)
@@ -245,13 +245,13 @@ def backward_block_documents(
     dq: Tensor,
     *,
     step: int,
-    plan: DocumentPlan,
+    layout: DocumentLayout,
     softmax_scale: float,
 ) -> list[Piece]:
-    """:func:`ringft.ops.zigzag_blocks.backward_block` restricted to the documents of ``plan``:
+    """:func:`ringft.ops.zigzag_blocks.backward_block` restricted to the documents of ``layout``:
     adds into ``dq`` in place and returns the K/V gradient pieces ``(rows, positions, dk, dv)``."""
     pieces: list[Piece] = []
-    for rs, row in _row_groups(plan):
+    for rs, row in _row_groups(layout):
         if step == 0:
             gq, gk, gv = varlen_backward(
                 kernel, dout[rs], q[rs], kb[rs], vb[rs], out[rs], lse[rs], row.diagonal, softmax_scale

@@ -7,7 +7,7 @@ tokens), concatenated. Documents are intervals, which makes every piece of work 
 
 - Step 0 (the local block): local order is global order, and a document that meets both chunks
   covers everything between them, so each document's local tokens are one contiguous range and
-  the block is a *varlen causal* attention with local boundaries :attr:`RowPlan.diagonal`.
+  the block is a *varlen causal* attention with local boundaries :attr:`RowLayout.diagonal`.
 - Step ``s > 0`` (K/V of rank ``j``): the K/V chunks precede the queries that see them, and only the
   one document that contains the first query position involved (global ``A*c`` when ``j < r``,
   ``B*c`` when ``j > r``) can reach back into them. The step is one unmasked rectangle
@@ -30,11 +30,11 @@ from ringft.ops.sharding import zigzag_chunk_ids, zigzag_length_problem
 Tensor = torch.Tensor
 
 __all__ = [
-    "DocumentPlan",
-    "RowPlan",
+    "DocumentLayout",
+    "RowLayout",
     "check_cu_seqlens",
     "cu_seqlens_from_position_ids",
-    "document_plan",
+    "document_layout",
     "rank_pairs",
 ]
 
@@ -42,7 +42,7 @@ Rect = tuple[int, int, int, int]  # (q0, q1, k0, k1), local indices, half-open
 
 
 @dataclass(frozen=True)
-class RowPlan:
+class RowLayout:
     """One batch row on one rank: ``diagonal`` = local document boundaries ``(0, ..., seq_local)``
     of the step-0 block; ``blocks[s]`` = the rectangle of ring step ``s`` (``None``: skipped;
     ``blocks[0]`` is unused)."""
@@ -52,16 +52,16 @@ class RowPlan:
 
 
 @dataclass(frozen=True)
-class DocumentPlan:
+class DocumentLayout:
     """The document structure of a batch as one rank of an ``N``-rank ring sees it.
 
-    ``rows`` has one :class:`RowPlan` per batch row; ``uniform``: every row has the same plan (one
+    ``rows`` has one :class:`RowLayout` per batch row; ``uniform``: every row has the same layout (one
     kernel call covers the batch); ``single``: every row is one document (the unmasked schedule);
     ``offsets``: the global document offsets per batch row it was built from (sliding windows
-    plan their own work from them).
+    derive their own bands from them).
     """
 
-    rows: tuple[RowPlan, ...]
+    rows: tuple[RowLayout, ...]
     cp_size: int
     rank: int
     uniform: bool
@@ -78,7 +78,7 @@ class DocumentPlan:
         return total
 
 
-def _full_blocks(row: RowPlan, rank: int) -> bool:
+def _full_blocks(row: RowLayout, rank: int) -> bool:
     seq_local = row.diagonal[-1]
     half = seq_local // 2
     for step, rect in enumerate(row.blocks[1:], start=1):
@@ -113,7 +113,7 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> list[list[int]]:
     return [row.nonzero().flatten().tolist() + [length] for row in starts]
 
 
-def _row_plan(cu: Sequence[int], seq_len: int, rank: int, cp_size: int) -> RowPlan:
+def _row_layout(cu: Sequence[int], seq_len: int, rank: int, cp_size: int) -> RowLayout:
     a, b = zigzag_chunk_ids(rank, cp_size)
     c = seq_len // (2 * cp_size)
 
@@ -150,13 +150,13 @@ def _row_plan(cu: Sequence[int], seq_len: int, rank: int, cp_size: int) -> RowPl
                 blocks.append((c, q_end, c + max(start, j2 * c) - j2 * c, 2 * c))
             else:
                 blocks.append(None)
-    return RowPlan(tuple(sorted(diagonal)), tuple(blocks))
+    return RowLayout(tuple(sorted(diagonal)), tuple(blocks))
 
 
-def document_plan(
+def document_layout(
     cu_seqlens: Sequence[Sequence[int]], seq_len: int, rank: int, cp_size: int, batch: int | None = None
-) -> DocumentPlan:
-    """The :class:`DocumentPlan` of ``rank`` for global offsets ``cu_seqlens`` (one row per batch row,
+) -> DocumentLayout:
+    """The :class:`DocumentLayout` of ``rank`` for global offsets ``cu_seqlens`` (one row per batch row,
     or one row for all ``batch`` rows) of sequences of ``seq_len`` tokens (a multiple of ``2 * cp_size``).
 
     Host integers only: O(documents x cp_size) per row. Raises ``ValueError`` on malformed offsets.
@@ -167,15 +167,15 @@ def document_plan(
     problems += [p for p in [zigzag_length_problem(seq_len, cp_size)] if p]
     if problems:
         raise ValueError("; ".join(problems))
-    plans = {}
+    layouts = {}
     for r in rows:
-        if tuple(r) not in plans:
-            plans[tuple(r)] = _row_plan(r, seq_len, rank, cp_size)
-    full = tuple(plans[tuple(r)] for r in rows)
+        if tuple(r) not in layouts:
+            layouts[tuple(r)] = _row_layout(r, seq_len, rank, cp_size)
+    full = tuple(layouts[tuple(r)] for r in rows)
     full = full * batch if len(full) == 1 else full
-    single = all(len(row.diagonal) == 2 and _full_blocks(row, rank) for row in plans.values())
+    single = all(len(row.diagonal) == 2 and _full_blocks(row, rank) for row in layouts.values())
     offsets = tuple(map(tuple, rows)) * (batch if len(rows) == 1 else 1)
-    return DocumentPlan(full, cp_size, rank, uniform=len(plans) == 1, single=single, offsets=offsets)
+    return DocumentLayout(full, cp_size, rank, uniform=len(layouts) == 1, single=single, offsets=offsets)
 
 
 def rank_pairs(lengths: Sequence[int], seq_len: int, cp_size: int) -> list[int]:
@@ -186,4 +186,4 @@ def rank_pairs(lengths: Sequence[int], seq_len: int, cp_size: int) -> list[int]:
         cu.append(cu[-1] + n)
     if cu[-1] < seq_len:
         cu.append(seq_len)
-    return [document_plan([cu], seq_len, r, cp_size).attention_pairs() for r in range(cp_size)]
+    return [document_layout([cu], seq_len, r, cp_size).attention_pairs() for r in range(cp_size)]

@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 
 from ringft.ops.backends import BlockAttention, default_softmax_scale, get_backend
-from ringft.ops.documents import DocumentPlan, document_plan
+from ringft.ops.documents import DocumentLayout, document_layout
 from ringft.ops.dtypes import accumulator_dtype
 from ringft.ops.sharding import cp_shard, cp_unshard
 from ringft.ops.window_blocks import backward_window_step, forward_window_step, local_blocks, row_groups
-from ringft.ops.windows import window_plan
+from ringft.ops.windows import window_schedule
 from ringft.ops.zigzag_blocks import backward_block, forward_block
 
 Tensor = torch.Tensor
@@ -34,7 +34,7 @@ def run_schedule(
     softmax_scale: float,
     ranks: list[int] | None = None,
     timer: Callable[[int, Callable[[], None]], None] | None = None,
-    plans: list[DocumentPlan] | None = None,
+    layouts: list[DocumentLayout] | None = None,
     sliding_window: int | None = None,
     cu_seqlens: list[list[int]] | None = None,
 ):
@@ -42,8 +42,8 @@ def run_schedule(
 
     Returns per-rank ``outs``, ``lses`` and (when ``douts``) ``dqs`` and ``dkvs`` (dK/dV of each
     rank's own block, summed over all ranks). ``timer(rank, fn)`` may wrap each rank's forward and
-    backward work (used by the benchmarks to time ranks one by one). ``plans[r]``: rank ``r``'s
-    packed-document plan (:func:`ringft.ops.documents.document_plan`), if any. ``sliding_window``
+    backward work (used by the benchmarks to time ranks one by one). ``layouts[r]``: rank ``r``'s
+    packed-document layout (:func:`ringft.ops.documents.document_layout`), if any. ``sliding_window``
     (causal, below the sequence length): the windowed schedule instead, with the packed documents
     of ``cu_seqlens`` (global offsets per row) if any.
     """
@@ -73,7 +73,7 @@ def run_schedule(
                 rank=rank,
                 causal=causal,
                 softmax_scale=softmax_scale,
-                documents=None if plans is None else plans[rank],
+                documents=None if layouts is None else layouts[rank],
             )
         outs[rank], lses[rank] = out.to(qs[rank].dtype), lse
 
@@ -102,7 +102,7 @@ def run_schedule(
                 rank=rank,
                 causal=causal,
                 softmax_scale=softmax_scale,
-                documents=None if plans is None else plans[rank],
+                documents=None if layouts is None else layouts[rank],
             )
             for rows, part, dk_b, dv_b in pieces:
                 dkvs[src][0][rows, part].add_(dk_b)
@@ -115,24 +115,24 @@ def run_schedule(
 
 def _run_window_schedule(kernel, qs, ks, vs, douts, softmax_scale, ranks, timer, window, cu_seqlens):
     """:func:`run_schedule` for the sliding-window exchange: rank ``r`` at step ``s`` uses the
-    chunks its :class:`~ringft.ops.windows.WindowPlan` receives from ranks ``r - s`` and ``r + s``."""
+    chunks its :class:`~ringft.ops.windows.WindowSchedule` receives from ranks ``r - s`` and ``r + s``."""
     n = len(qs)
     ranks = list(range(n)) if ranks is None else ranks
     timer = timer or (lambda rank, fn: fn())
-    plan = window_plan(qs[0].shape[1] * n, n, window)
+    schedule = window_schedule(qs[0].shape[1] * n, n, window)
     groups = row_groups(cu_seqlens, qs[0].shape[0])
-    kw = dict(plan=plan, groups=groups, softmax_scale=softmax_scale)
+    kw = dict(schedule=schedule, groups=groups, softmax_scale=softmax_scale)
     chunks = [local_blocks(ks[r], vs[r], r, n) for r in range(n)]  # (chunk index, k, v) per slot
 
     def received(rank: int, step: int) -> list[tuple[int, int]]:
-        return [(src, slot) for src, slots in plan.receives(rank, step) for slot in slots]
+        return [(src, slot) for src, slots in schedule.receives(rank, step) for slot in slots]
 
     outs: dict[int, Tensor] = {}
     lses: dict[int, Tensor] = {}
 
     def forward(rank: int) -> None:
         out, lse = forward_window_step(kernel, qs[rank], chunks[rank], None, None, rank=rank, **kw)
-        for step in range(1, plan.steps + 1):
+        for step in range(1, schedule.steps + 1):
             blocks = [chunks[src][slot] for src, slot in received(rank, step)]
             out, lse = forward_window_step(kernel, qs[rank], blocks, out, lse, rank=rank, **kw)
         outs[rank], lses[rank] = out.to(qs[rank].dtype), lse
@@ -147,7 +147,7 @@ def _run_window_schedule(kernel, qs, ks, vs, douts, softmax_scale, ranks, timer,
     grads = [torch.zeros((2, 2, *ks[r][:, :c].shape), dtype=acc, device=ks[r].device) for r in range(n)]
 
     def backward(rank: int) -> None:
-        for step in range(plan.steps + 1):
+        for step in range(schedule.steps + 1):
             sources = [(rank, 0), (rank, 1)] if step == 0 else received(rank, step)
             blocks = [(*chunks[src][slot], grads[src][slot, 0], grads[src][slot, 1]) for src, slot in sources]
             backward_window_step(
@@ -184,14 +184,14 @@ def emulate_zigzag_attention(
     n = cp_size
     qs, ks, vs = ([cp_shard(t, r, n) for r in range(n)] for t in (q, k, v))
     douts = None if dout is None else [cp_shard(dout, r, n) for r in range(n)]
-    plans = None
+    layouts = None
     window = sliding_window if sliding_window is not None and sliding_window < q.shape[1] else None
     if window is not None and not causal:
         raise ValueError("sliding_window needs causal=True")
     if cu_seqlens is not None and window is None:
-        plans = [document_plan(cu_seqlens, q.shape[1], r, n, batch=q.shape[0]) for r in range(n)]
+        layouts = [document_layout(cu_seqlens, q.shape[1], r, n, batch=q.shape[0]) for r in range(n)]
     outs, lses, dqs, dkvs = run_schedule(
-        kernel, qs, ks, vs, douts, causal=causal, softmax_scale=scale, plans=plans, sliding_window=window,
+        kernel, qs, ks, vs, douts, causal=causal, softmax_scale=scale, layouts=layouts, sliding_window=window,
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
     out = cp_unshard([outs[r] for r in range(n)])

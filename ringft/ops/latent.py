@@ -7,8 +7,8 @@ k and v (torch's CPU and CUDA flash kernels refuse different ones; flash-attn to
 call pads locally, after receipt (:class:`LatentAttention`): V up to the q/k dim (the padded output
 columns are exactly zero and sliced off; ``dout``'s padded columns are zero, so no gradient reaches
 them), or q and k up to V's dim (zero columns add nothing to any score; the softmax scale is fixed
-from the real q/k dim first). Exact; no padded byte crosses the ring. :func:`pad_head_dims` pads
-the tensors themselves (the sliding-window ring, whose exchange sends chunk slots of one shape).
+from the real q/k dim first). Exact; no padded byte crosses the ring, with or without a sliding
+window.
 """
 
 from __future__ import annotations
@@ -23,18 +23,7 @@ from ringft.ops.tiles import tiled
 
 Tensor = torch.Tensor
 
-__all__ = ["LatentAttention", "block_kernel", "pad_head_dims"]
-
-
-def pad_head_dims(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-    """``(q, k, v, dv)`` with one common last dim (zero padding, differentiable); ``dv`` is V's own
-    dim, to slice the output back to: ``out[..., :dv]``."""
-    dqk, dv = k.shape[-1], v.shape[-1]
-    if dv < dqk:
-        return q, k, F.pad(v, (0, dqk - dv)), dv
-    if dqk < dv:
-        return F.pad(q, (0, dv - dqk)), F.pad(k, (0, dv - dqk)), v, dv
-    return q, k, v, dv
+__all__ = ["LatentAttention", "block_kernel"]
 
 
 def _pad(x: Tensor, dim: int) -> Tensor:

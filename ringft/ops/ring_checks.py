@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ringft.ops.backends import BACKENDS
-from ringft.ops.documents import DocumentPlan, check_cu_seqlens
+from ringft.ops.documents import DocumentLayout, check_cu_seqlens
 from ringft.ops.latent import block_kernel
 from ringft.ops.sharding import local_length_problem
 from ringft.ops.sinks import sink_problems
@@ -82,18 +82,21 @@ def _document_problems(q: Tensor, cu_seqlens, causal: bool, rank: int, size: int
         return ["cu_seqlens (packed documents) needs causal=True"]
     if q.dim() != 4:
         return []
-    if isinstance(cu_seqlens, DocumentPlan):
-        plan = cu_seqlens
-        if (plan.rank, plan.cp_size, len(plan.rows), plan.rows[0].diagonal[-1]) != (rank, size, *q.shape[:2]):
-            return [f"the DocumentPlan was built for rank {plan.rank} of {plan.cp_size} and another shape"]
+    if isinstance(cu_seqlens, DocumentLayout):
+        layout = cu_seqlens
+        built = (layout.rank, layout.cp_size, len(layout.rows), layout.rows[0].diagonal[-1])
+        if built != (rank, size, *q.shape[:2]):
+            return [
+                f"the DocumentLayout was built for rank {layout.rank} of {layout.cp_size} and another shape"
+            ]
         return []
     return check_cu_seqlens(cu_seqlens, q.shape[1] * size, q.shape[0])
 
 
 def offsets_checksum(cu_seqlens) -> int:
     """A fingerprint of per-row global document offsets for the ranks' agreement check (0 for none
-    or a prebuilt DocumentPlan, which is checked against this rank instead)."""
-    if cu_seqlens is None or isinstance(cu_seqlens, DocumentPlan):
+    or a prebuilt DocumentLayout, which is checked against this rank instead)."""
+    if cu_seqlens is None or isinstance(cu_seqlens, DocumentLayout):
         return 0
     return checksum([list(map(int, row)) for row in cu_seqlens])
 
@@ -106,7 +109,7 @@ def rank_problems(
     rank: int,
     size: int,
     *,
-    cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
+    cu_seqlens: Sequence[Sequence[int]] | DocumentLayout | None = None,
     causal: bool = True,
     sliding_window: int | None = None,
     attention_tile_tokens: int | None = None,
@@ -128,7 +131,7 @@ def validate_inputs(
     rank: int,
     size: int,
     *,
-    cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
+    cu_seqlens: Sequence[Sequence[int]] | DocumentLayout | None = None,
     causal: bool = True,
     sliding_window: int | None = None,
     attention_tile_tokens: int | None = None,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ringft.ops.alltoall import heads_to_seq, seq_to_heads
-from ringft.ops.documents import DocumentPlan, check_cu_seqlens
+from ringft.ops.documents import DocumentLayout, check_cu_seqlens
 from ringft.ops.dtypes import follow_autocast
 from ringft.ops.parallel import ParallelLayout
 from ringft.ops.ring_checks import local_input_problems, offsets_checksum
@@ -72,14 +72,14 @@ def _document_problems(q: Tensor, cu_seqlens, causal: bool, sizes, ranks) -> lis
         return []
     if not causal:
         return ["cu_seqlens (packed documents) needs causal=True"]
-    if isinstance(cu_seqlens, DocumentPlan):
-        plan = cu_seqlens
-        if (plan.rank, plan.cp_size, len(plan.rows), plan.rows[0].diagonal[-1]) != (
+    if isinstance(cu_seqlens, DocumentLayout):
+        documents = cu_seqlens
+        if (documents.rank, documents.cp_size, len(documents.rows), documents.rows[0].diagonal[-1]) != (
             r_rank, r_size, q.shape[0], q.shape[1] * u_size,
         ):  # fmt: skip
             return [
-                f"the DocumentPlan must be built for ring rank {r_rank} of ring_size {r_size} "
-                "(document_plan(cu_seqlens, seq_len, ring_rank, ring_size))"
+                f"the DocumentLayout must be built for ring rank {r_rank} of ring_size {r_size} "
+                "(document_layout(cu_seqlens, seq_len, ring_rank, ring_size))"
             ]
         return []
     return check_cu_seqlens(cu_seqlens, q.shape[1] * cp_size, q.shape[0])
@@ -141,7 +141,7 @@ def ulysses_ring_attention(
     backend: str = "auto",
     return_lse: bool = False,
     validate: bool = True,
-    cu_seqlens: Sequence[Sequence[int]] | DocumentPlan | None = None,
+    cu_seqlens: Sequence[Sequence[int]] | DocumentLayout | None = None,
     **ring_options: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded on the Ulysses x ring layout.
@@ -157,7 +157,7 @@ def ulysses_ring_attention(
         validate: check every CP rank's inputs and layout together first (one small all_gather over
             the CP group); ``False`` keeps only this rank's own checks, for callers that validated.
         cu_seqlens: packed documents as global offsets per row (every rank the same), or a
-            ``DocumentPlan`` built for this rank's *ring* rank and ``ring_size``.
+            ``DocumentLayout`` built for this rank's *ring* rank and ``ring_size``.
         ring_options: passed on to :func:`zigzag_ring_attention` unchanged.
 
     Returns:

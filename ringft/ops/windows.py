@@ -13,7 +13,7 @@ i.e. the ``k = ceil((window - 1) / c)`` chunks before it. So rank ``r`` needs
 - the *second* chunk of rank ``j > r`` when ``j - r <= k`` (chunk ``2N-1-j`` sits just before
   ``2N-1-r``);
 
-and nothing else. The schedule (:class:`WindowPlan`) is a *distance-s exchange*: at step
+and nothing else. The schedule (:class:`WindowSchedule`) is a *distance-s exchange*: at step
 ``s = 1..steps`` every rank sends to ranks ``r + s`` and ``r - s`` exactly the chunks they need from
 it and receives what it needs from them, in one ``batch_isend_irecv``, posted one step ahead so it
 overlaps with the previous step's compute. ``steps`` is the largest distance at which anything is
@@ -36,11 +36,11 @@ from functools import lru_cache
 from ringft.ops.band import Band, band_pairs, trim_band
 
 __all__ = [
-    "WindowPlan",
+    "WindowSchedule",
     "chunk_bands",
     "chunks_meet",
     "window_chunks",
-    "window_plan",
+    "window_schedule",
     "window_problems",
 ]
 
@@ -66,7 +66,7 @@ def chunks_meet(x: int, y: int, chunk: int, window: int) -> bool:
 
 
 @dataclass(frozen=True)
-class WindowPlan:
+class WindowSchedule:
     """The windowed exchange of an ``cp_size``-rank ring over ``seq_len`` tokens.
 
     ``needs[r][j]``: the chunk slots (0: first, 1: second) of rank ``j`` that rank ``r`` sees;
@@ -118,8 +118,8 @@ class WindowPlan:
 
 
 @lru_cache(maxsize=64)
-def window_plan(seq_len: int, cp_size: int, window: int) -> WindowPlan:
-    """The :class:`WindowPlan` of ``cp_size`` ranks, ``seq_len`` tokens (a multiple of
+def window_schedule(seq_len: int, cp_size: int, window: int) -> WindowSchedule:
+    """The :class:`WindowSchedule` of ``cp_size`` ranks, ``seq_len`` tokens (a multiple of
     ``2 * cp_size``) and ``window`` (>= 1). Host integers only; the same on every rank."""
     n = cp_size
     c = seq_len // (2 * n)
@@ -138,7 +138,7 @@ def window_plan(seq_len: int, cp_size: int, window: int) -> WindowPlan:
                 steps = max(steps, abs(r - j))
             row.append(slots)
         needs.append(tuple(row))
-    return WindowPlan(seq_len, n, window, tuple(needs), steps)
+    return WindowSchedule(seq_len, n, window, tuple(needs), steps)
 
 
 def chunk_bands(

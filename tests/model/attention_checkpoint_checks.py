@@ -5,7 +5,7 @@ Ulysses 2 x ring 2, tests/model/test_attention_checkpoint.py at CP 1).
 Oracle: the same fp64 model under gradient checkpointing with ``recompute`` (the ring forward run
 again in the backward). ``save`` hands the recompute the very tensors the forward computed, so this
 rank's loss and every local gradient must be bitwise equal (any difference, even one rounding, is a
-bug). The ring forwards are counted (both schedules: the full ring and the sliding-window ring):
+bug). The ring forwards are counted (one loop for every schedule: the full ring and the sliding window):
 ``recompute`` runs one per layer per forward and per recompute, ``save`` / ``offload`` one per
 layer per forward. On CPU ``offload`` keeps the tensors where they are (host memory already): the
 distributed cases run ``recompute`` and ``save`` only.
@@ -29,11 +29,10 @@ LAYERS = TINY["num_hidden_layers"]
 @contextlib.contextmanager
 def counted_ring_forwards() -> Iterator[list[int]]:
     """Counts the ring forwards (zigzag and sliding-window schedules) run meanwhile: ``[count]``."""
-    import ringft.ops.window_ring as window_ring
-    import ringft.ops.zigzag as zigzag
+    import ringft.ops.ring_loop as ring_loop
 
     count = [0]
-    originals = {module: module._ring_forward for module in (zigzag, window_ring)}
+    originals = {ring_loop: ring_loop._ring_forward}
 
     def counting(real):
         def run(*args, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringft.ops import zigzag_ring_attention
-from ringft.ops.documents import cu_seqlens_from_position_ids, document_plan
+from ringft.ops.documents import cu_seqlens_from_position_ids, document_layout
 from ringft.ops.sharding import cp_shard
 from ringft.utils.spawn import run_distributed
 from tests.oracle import per_document_attention_fp64
@@ -67,7 +67,7 @@ def test_plans_match_brute_force_masks():
                 doc = [max(i for i, x in enumerate(cu[:-1]) if x <= g) for g in range(seq)]
                 pos = [cp_shard(torch.arange(seq), r, n, dim=0).tolist() for r in range(n)]
                 for rank in range(n):
-                    row = document_plan([cu], seq, rank, n).rows[0]
+                    row = document_layout([cu], seq, rank, n).rows[0]
                     d = row.diagonal
                     got = [{(i, j) for x, y in zip(d, d[1:]) for i in range(x, y) for j in range(x, i + 1)}]
                     for rect in row.blocks[1:]:
@@ -209,12 +209,12 @@ def test_distributed_ring_matches_each_document(distributed_errors, world):
 
 def test_fewer_pairs_than_full_causal():
     n, seq = 4, 64
-    full = sum(document_plan([[0, seq]], seq, r, n).attention_pairs() for r in range(n))
+    full = sum(document_layout([[0, seq]], seq, r, n).attention_pairs() for r in range(n))
     assert full == seq * (seq + 1) // 2  # one document: exactly the causal pairs
     cu = [0, 16, 32, 48, seq]
-    packed = sum(document_plan([cu], seq, r, n).attention_pairs() for r in range(n))
+    packed = sum(document_layout([cu], seq, r, n).attention_pairs() for r in range(n))
     assert packed == 4 * 16 * 17 // 2
-    assert document_plan([[0, seq]], seq, 1, n).single and not document_plan([cu], seq, 1, n).single
+    assert document_layout([[0, seq]], seq, 1, n).single and not document_layout([cu], seq, 1, n).single
 
 
 def test_balanced_order_evens_out_the_ranks():

@@ -183,7 +183,7 @@ def test_flash_adapter_is_lazy(tmp_path):
 def test_flash_varlen_in_document_schedule(version):
     """Packed documents through the flash adapter's varlen path (step 0) and dense path (later
     steps) inside the emulated 3-rank ring, against each document run separately."""
-    from ringft.ops.documents import document_plan
+    from ringft.ops.documents import document_layout
     from ringft.ops.emulate import run_schedule
     from ringft.ops.sharding import cp_shard, cp_unshard
     from tests.oracle import per_document_attention_fp64
@@ -195,8 +195,10 @@ def test_flash_varlen_in_document_schedule(version):
     q, dout = (torch.randn(2, seq, 4, 20, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, seq, 2, 20, generator=gen, dtype=torch.float64) for _ in range(2))
     shards = [[cp_shard(t, r, n) for r in range(n)] for t in (q, k, v, dout)]
-    plans = [document_plan(cu, seq, r, n) for r in range(n)]
-    outs, lses, dqs, dkvs = run_schedule(backend, *shards, causal=True, softmax_scale=20**-0.5, plans=plans)
+    layouts = [document_layout(cu, seq, r, n) for r in range(n)]
+    outs, lses, dqs, dkvs = run_schedule(
+        backend, *shards, causal=True, softmax_scale=20**-0.5, layouts=layouts
+    )
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = per_document_attention_fp64(qd, kd, vd, cu)
     ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), dout)

@@ -178,14 +178,14 @@ def _raises(fn, *args, **kwargs) -> str:
 
 def _error_cases(rank: int, world: int) -> dict[str, str]:
     """Bad inputs on a cp = 6 = ulysses 2 x ring 3 layout: each case's message on this rank."""
-    from ringft.ops.documents import document_plan
+    from ringft.ops.documents import document_layout
     from ringft.ops.parallel import ParallelLayout, build_layout
 
     layout = build_layout(world, 2)
     g = layout
     wrong = ParallelLayout.from_groups(g.cp_group, g.ulysses_group, g.cp_group)  # ring = the CP group
     qkv = lambda s=4, hq=4, hkv=2: [torch.randn(1, s, h, DIM) for h in (hq, hkv, hkv)]  # noqa: E731
-    plan = document_plan(DOCS[:1], 4 * world, rank, world)  # built for the CP rank, not the ring rank
+    plan = document_layout(DOCS[:1], 4 * world, rank, world)  # built for the CP rank, not the ring rank
     seen = {
         "heads": _raises(ulysses_ring_attention, *qkv(hq=3, hkv=1), groups=g),
         "heads_one_rank": _raises(ulysses_ring_attention, *qkv(hq=3 if rank == 0 else 4, hkv=1), groups=g),

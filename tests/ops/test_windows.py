@@ -27,7 +27,7 @@ from ringft.ops.band import Band, band_pairs, square_pieces, strip_runs, trim_ba
 from ringft.ops.emulate import run_schedule
 from ringft.ops.flash_window import flash_window_calls
 from ringft.ops.sharding import cp_shard, cp_unshard
-from ringft.ops.windows import chunks_meet, window_plan
+from ringft.ops.windows import chunks_meet, window_schedule
 from tests.ops.flash_stubs import flash_visible, make_stub
 from tests.ops.window_checks import DIM, DOCS, FP32_REL, inputs, oracle, rel, windows
 from tests.oracle import windowed_attention_fp64
@@ -45,7 +45,7 @@ def test_plan_matches_brute_force():
             seq = 2 * n * c
             pos = [cp_shard(torch.arange(seq), r, n, dim=0).tolist() for r in range(n)]
             for w in range(1, seq + 1):
-                plan = window_plan(seq, n, w)
+                plan = window_schedule(seq, n, w)
                 far = 0
                 for r in range(n):
                     for j in range(n):
@@ -241,7 +241,7 @@ def test_outside_blocks_are_never_computed():
     run_schedule(
         Counting(), shard(q), shard(k), shard(v), None, causal=True, softmax_scale=0.3, sliding_window=w
     )
-    plan = window_plan(seq, n, w)
+    plan = window_schedule(seq, n, w)
     visible = sum(plan.attention_pairs(r) for r in range(n))
     assert visible == sum(min(i + 1, w) for i in range(seq))
     assert visible <= computed[0] <= visible + (tile - 1) * seq

@@ -10,7 +10,7 @@ import torch
 
 from ringft.ops import zigzag_ring_attention
 from ringft.ops.sharding import cp_shard
-from ringft.ops.windows import window_plan
+from ringft.ops.windows import window_schedule
 from tests.oracle import windowed_attention_fp64
 
 SEQ, DIM = 48, 16  # 48: a multiple of 2N for N = 1..4 (chunks of 24, 12, 8, 6)
@@ -87,7 +87,7 @@ def window_worker(rank: int, world: int, group=None, single=None) -> dict:
             )
             of.backward(dout)
             base = [rel(g, r) for g, r in zip((of, lf, qf.grad, kf.grad, vf.grad), ref)]
-        plan = window_plan(SEQ, world, w)
+        plan = window_schedule(SEQ, world, w)
         records.append(
             {
                 "config": (backend, hq, hkv, str(dtype), w, cu is not None),
