@@ -15,15 +15,18 @@ micro-step, fp32 master weights for a bf16 model under DDP, the memory options.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ringft.train.build import add_lora, build_model, build_tokenizer, model_config
-from ringft.train.data import load_training_data
+from ringft.train.data import load_training_data, split_eval_data
+from ringft.train.errors import RecipeError
 from ringft.train.front_parts import (
     MetricsCallback,
     RecipeDataset,
@@ -32,7 +35,7 @@ from ringft.train.front_parts import (
     peak_memory_gb,
     whole_batch_collator,
 )
-from ringft.train.front_runs import RunFolder, export_final
+from ringft.train.front_runs import RunFolder, export_final, push_export
 from ringft.train.hf.mixin import RingTrainerMixin
 from ringft.train.recipe import Recipe, validate
 
@@ -59,11 +62,21 @@ def training_arguments(recipe: Recipe, progress: bool = True) -> Any:
 
     t, c, lg = recipe.train, recipe.checkpoint, recipe.logging
     final_only = c.save_every == 0 and c.save_final
+    evaluation = (
+        {"eval_strategy": "steps", "eval_steps": t.eval_every, "prediction_loss_only": True}
+        if t.eval_every
+        else {}
+    )
+    length = (
+        {"max_steps": -1, "num_train_epochs": t.num_train_epochs}
+        if t.num_train_epochs
+        else {"max_steps": t.max_steps}
+    )
     return TrainingArguments(
         output_dir=c.output_dir,
         per_device_train_batch_size=t.micro_batch_size,
+        per_device_eval_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.grad_accum,
-        max_steps=t.max_steps,
         learning_rate=t.lr,
         weight_decay=t.weight_decay,
         adam_beta1=t.betas[0],
@@ -87,6 +100,7 @@ def training_arguments(recipe: Recipe, progress: bool = True) -> Any:
         average_tokens_across_devices=True,  # the one-process update on the step's global batch
         disable_tqdm=not progress,
         use_cpu=not torch.cuda.is_available(),
+        **{**evaluation, **length},
     )
 
 
@@ -120,9 +134,8 @@ def _trainer_class() -> type:
         def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
             if self.lr_scheduler is None:
                 optimizer = self.optimizer if optimizer is None else optimizer
-                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                    optimizer, lr_schedule(self.recipe.train)
-                )
+                steps = dataclasses.replace(self.recipe.train, max_steps=num_training_steps)
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(steps))
             return self.lr_scheduler
 
     return RecipeTrainer
@@ -141,7 +154,11 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
     torch.manual_seed(recipe.train.seed)
     tokenizer = build_tokenizer(recipe)
     config = model_config(recipe, len(tokenizer))
-    data = load_training_data(recipe, tokenizer, config.vocab_size)
+    data, eval_data = split_eval_data(
+        recipe, load_training_data(recipe, tokenizer, config.vocab_size), config.vocab_size
+    )
+    if recipe.train.eval_every and eval_data is None:
+        raise RecipeError("train.eval_every needs an eval split: set data.eval_path or data.eval_fraction")
     folder = RunFolder(recipe, world)
     folder.claim(resume, is_main=args.process_index == 0)
     try:
@@ -155,6 +172,7 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
             model=model,
             args=args,
             train_dataset=RecipeDataset(data),
+            eval_dataset=None if eval_data is None else RecipeDataset(eval_data),
             data_collator=whole_batch_collator(recipe, pad),
             processing_class=tokenizer,
             recipe=recipe,
@@ -212,13 +230,15 @@ def _run(trainer: Any, folder: RunFolder, recipe: Recipe) -> TrainResult:
     trainer.train(resume_from_checkpoint=folder.resume_from)
     wall = time.perf_counter() - started
     final = export_final(trainer, recipe) if recipe.checkpoint.save_final else None
+    if final is not None and recipe.checkpoint.push_to_hub and trainer.args.process_index == 0:
+        push_export(final, recipe.checkpoint.hub_model_id or Path(recipe.checkpoint.output_dir).name)
     done = trainer.state.global_step - folder.start_step
     tps = tokens_per_step * done / wall if wall > 0 else 0.0
     losses = metrics.losses
     if losses and trainer.args.process_index == 0:
         split = f" = ulysses {layout.ulysses_size} x ring {layout.ring_size}"
         print(
-            f"ringft: {t.max_steps} steps (dp={layout.dp_size} x cp={layout.cp_size}"
+            f"ringft: {trainer.state.global_step} steps (dp={layout.dp_size} x cp={layout.cp_size}"
             f"{split if layout.ulysses_size > 1 else ''}), "
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {tps:,.0f} tokens/s, "
             f"peak {peak_memory_gb(trainer.args.device):.2f} GB/rank, "
@@ -226,4 +246,4 @@ def _run(trainer: Any, folder: RunFolder, recipe: Recipe) -> TrainResult:
             file=sys.stdout,
             flush=True,
         )
-    return TrainResult(t.max_steps, losses, str(final) if final else None, tps)
+    return TrainResult(trainer.state.global_step, losses, str(final) if final else None, tps)

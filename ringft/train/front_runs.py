@@ -20,11 +20,11 @@ from transformers import TrainerCallback
 
 from ringft.ops.validate import PeerFailed, run_together
 from ringft.train.checkpoint import compare_recipes
-from ringft.train.errors import RecipeError, io_error, is_io_failure
+from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
 from ringft.train.recipe import Recipe
 from ringft.train.run_dir import MetricsFile, OutputDirLock
 
-__all__ = ["RUN_FILE", "RunFolder", "checkpoint_folders", "export_final"]
+__all__ = ["RUN_FILE", "RunFolder", "checkpoint_folders", "export_final", "push_export"]
 
 RUN_FILE = "ringft_run.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -204,3 +204,20 @@ def export_final(trainer: Any, recipe: Recipe) -> Path:
         )
     trainer.accelerator.wait_for_everyone()
     return final
+
+
+def push_export(final: Path, repo_id: str) -> None:
+    """Upload the export folder to the Hugging Face Hub repository ``repo_id`` (created if missing;
+    the token is the user's ``huggingface-cli login``). A failed upload is one line naming the repo."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, exist_ok=True)
+        api.upload_folder(folder_path=str(final), repo_id=repo_id, commit_message="ringft train: final model")
+    except Exception as exc:  # noqa: BLE001 - network, auth: one line, the export stays on disk
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TrainError(
+            f"checkpoint.push_to_hub: uploading {final} to {repo_id!r} failed ({first}); the export is "
+            "intact on disk: log in (huggingface-cli login) or fix checkpoint.hub_model_id, then upload it"
+        ) from None

@@ -109,6 +109,23 @@ def _tracker_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _refuse_trainer_only(recipe: Recipe) -> None:
+    t, d, c = recipe.train, recipe.data, recipe.checkpoint
+    asked = [
+        name
+        for name, on in [
+            ("train.num_train_epochs", t.num_train_epochs),
+            ("train.eval_every", t.eval_every),
+            ("data.eval_path", d.eval_path),
+            ("data.eval_fraction", d.eval_fraction),
+            ("checkpoint.push_to_hub", c.push_to_hub),
+        ]
+        if on
+    ]
+    if asked:
+        raise RecipeError(f"{', '.join(asked)}: run with `ringft train --engine trainer`")
+
+
 class Trainer:
     """Builds everything from a :class:`Recipe` and runs the loop (:meth:`run`). See :func:`train`.
 
@@ -131,6 +148,7 @@ class Trainer:
         recipe, acc, t = self.recipe, self.accelerator, self.recipe.train
         world = acc.num_processes
         validate(recipe, world_size=world)
+        _refuse_trainer_only(recipe)
         self.kind = distributed_kind(acc)
         check_precision(self.kind, acc, recipe)
         if self.kind == DEEPSPEED:

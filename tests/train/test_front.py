@@ -24,7 +24,7 @@ import pytest
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import recipe_from_dict
 from ringft.utils.spawn import run_distributed
-from tests.tiny_training import RUN_TIMEOUT, assert_weights_equal, final_weights, tiny_recipe
+from tests.tiny_training import LOSS_RTOL, RUN_TIMEOUT, assert_weights_equal, final_weights, tiny_recipe
 from tests.train.front_workers import front_runs
 
 
@@ -133,3 +133,77 @@ def test_run_folder_refusals(tmp_path, data_path):
     folder.claim(str(folder.out / "checkpoint-2"), is_main=True)
     assert (folder.resume_from, folder.start_step) == (str(folder.out / "checkpoint-2"), 2)
     folder.release()
+
+
+def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
+    """One process: Hugging Face names in the recipe, epochs instead of max_steps, a held-out eval
+    split with eval loss during training (checked against a plain forward of the trained model),
+    tensorboard, and the export pushed to the Hub (stubbed at huggingface_hub's boundary)."""
+    import huggingface_hub
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ringft.model.patch import remove_ring_attention
+    from ringft.train import front
+
+    pushed = []
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: pushed.append(repo_id)
+    )
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "upload_folder",
+        lambda self, folder_path, repo_id, **kw: pushed.append(
+            sorted(p.name for p in Path(folder_path).iterdir())
+        ),
+    )
+    raw = tiny_recipe(
+        tmp_path / "out",
+        data_path,
+        train={"num_train_epochs": 2, "eval_steps": 6, "learning_rate": 1e-3, "max_grad_norm": 1.0},
+        data={"eval_fraction": 0.25},
+        checkpoint={"push_to_hub": True, "hub_model_id": "someone/tiny", "save_total_limit": 1},
+        logging={"report_to": "tensorboard"},
+    )
+    del raw["train"]["lr"], raw["train"]["grad_clip"], raw["checkpoint"]["keep"]
+    del raw["logging"]["tracker"]  # (the keys above: given by their Hugging Face names)
+    recipe = recipe_from_dict(raw)
+    assert (recipe.train.lr, recipe.train.eval_every, recipe.logging.tracker) == (1e-3, 6, "tensorboard")
+    try:
+        trainer, folder = front.build_trainer(recipe, progress=False)
+        try:
+            result = front._run(trainer, folder, recipe)
+        finally:
+            folder.release()
+        # 48 rows: 12 held out, 36 train = 18 steps of 2 rows per epoch
+        assert result.steps == 36 and len(result.losses) == 36
+        rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in rows if "eval_loss" in r]
+        assert [r["step"] for r in evals] == [6, 12, 18, 24, 30, 36]
+        assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+        # the last eval loss as one process computes it (transformers' mean over the eval batches of
+        # each batch's mean token loss), from plain forwards of the trained model, fp64
+        model = trainer.model
+        remove_ring_attention(model)
+        rows = list(trainer.eval_dataset)
+        batch_losses = []
+        with torch.no_grad():
+            for i in range(0, len(rows), 2):
+                total, count = 0.0, 0
+                for row in rows[i : i + 2]:
+                    logits = model._ringft_previous_forward(input_ids=torch.tensor([row["input_ids"]])).logits
+                    target = torch.tensor(row["labels"][1:])
+                    keep = target != -100
+                    ce = torch.nn.functional.cross_entropy(
+                        logits[0, :-1].double()[keep], target[keep], reduction="sum"
+                    )
+                    total, count = total + ce.item(), count + int(keep.sum())
+                batch_losses.append(total / count)
+        expected = sum(batch_losses) / len(batch_losses)
+        # fp32 sums over a batch's tokens and the vocabulary vs fp64: LOSS_RTOL (tests/tiny_training.py)
+        assert abs(evals[-1]["eval_loss"] - expected) <= LOSS_RTOL * expected
+        assert pushed[0] == "someone/tiny" and "model.safetensors" in pushed[1]
+        assert list((tmp_path / "out").rglob("events.out.tfevents*"))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
