@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from ringft.ops.validate import PeerFailed, run_together
 from ringft.train.build import add_lora, build_model, build_tokenizer, model_config
 from ringft.train.data import load_training_data, split_eval_data
-from ringft.train.errors import RecipeError
+from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
 from ringft.train.front_parts import (
     MetricsCallback,
     RecipeDataset,
@@ -35,7 +36,7 @@ from ringft.train.front_parts import (
     peak_memory_gb,
     whole_batch_collator,
 )
-from ringft.train.front_runs import RunFolder, export_final, push_export
+from ringft.train.front_runs import RunFolder, export_final, intact_note, push_export
 from ringft.train.hf.mixin import RingTrainerMixin
 from ringft.train.recipe import Recipe, validate
 
@@ -91,7 +92,7 @@ def training_arguments(recipe: Recipe, progress: bool = True) -> Any:
         logging_steps=lg.log_every,
         save_strategy="steps" if (c.save_every or final_only) else "no",
         save_steps=c.save_every or t.max_steps,
-        save_total_limit=c.keep,
+        save_total_limit=None,  # RunFolder.mark_complete rotates, once a new checkpoint is complete
         report_to=_report_to(lg.tracker),
         run_name=lg.project,
         remove_unused_columns=False,
@@ -130,6 +131,27 @@ def _trainer_class() -> type:
 
         def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
             return _decay_names(model)
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            """The Trainer's save on every rank, then one verdict: an I/O failure on any rank
+            ends every rank with one line naming the folder; only a checkpoint every rank
+            completed is marked complete, and only then are old ones rotated out."""
+            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            kept = intact_note(self.args.output_dir)
+
+            def save() -> None:
+                try:
+                    super(RecipeTrainer, self)._save_checkpoint(model, trial)
+                except Exception as exc:  # noqa: BLE001 - I/O failures become one line
+                    if is_io_failure(exc):
+                        raise io_error("checkpoint", folder, exc, kept) from exc
+                    raise
+
+            try:
+                run_together(save, share_message=True)
+            except PeerFailed as exc:
+                raise TrainError(f"writing checkpoint {folder} failed on rank {exc.rank}: {exc}") from None
+            self.run_folder.mark_complete(folder, is_main=self.args.process_index == 0)
 
         def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
             if self.lr_scheduler is None:

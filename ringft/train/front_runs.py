@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
-
-from transformers import TrainerCallback
 
 from ringft.ops.validate import PeerFailed, run_together
 from ringft.train.checkpoint import compare_recipes
@@ -24,7 +23,7 @@ from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
 from ringft.train.recipe import Recipe
 from ringft.train.run_dir import MetricsFile, OutputDirLock
 
-__all__ = ["RUN_FILE", "RunFolder", "checkpoint_folders", "export_final", "push_export"]
+__all__ = ["RUN_FILE", "RunFolder", "checkpoint_folders", "export_final", "intact_note", "push_export"]
 
 RUN_FILE = "ringft_run.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -49,6 +48,16 @@ def _read_run(folder: Path) -> dict[str, Any] | None:
         return json.loads((folder / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def intact_note(output_dir: str | Path) -> str:
+    """What a failed save leaves intact: the newest complete checkpoint, if any."""
+    complete = [p for p in checkpoint_folders(output_dir) if _read_run(p) is not None]
+    return (
+        f"the previous checkpoint {complete[-1]} is intact"
+        if complete
+        else "no earlier checkpoint was touched"
+    )
 
 
 def _newest_complete(output_dir: Path) -> Path | None:
@@ -151,26 +160,26 @@ class RunFolder:
                 print(f"resumed from {folder} (step {self.start_step})", flush=True)
 
     def attach(self, trainer: Any) -> None:
-        """Write ``ringft_run.json`` into each checkpoint the trainer completes."""
-        trainer.add_callback(_MarkCheckpoint(self))
+        """Let ``trainer`` (a RecipeTrainer) mark its checkpoints complete here."""
+        trainer.run_folder = self
+
+    def mark_complete(self, folder: Path, is_main: bool) -> None:
+        """After every rank saved ``folder``: write its ``ringft_run.json`` (main process), then
+        remove all but the newest ``checkpoint.keep`` complete checkpoints."""
+        if not is_main:
+            return
+        path = folder / RUN_FILE
+        try:
+            path.write_text(json.dumps({"step": _step_of(folder), **self.run_state()}, default=str))
+        except OSError as exc:
+            raise io_error("checkpoint", folder, exc, intact_note(self.out)) from exc
+        complete = [p for p in checkpoint_folders(self.out) if _read_run(p) is not None]
+        for old in complete[: -self.recipe.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def release(self) -> None:
         """Drop the lock (local, idempotent)."""
         self.lock.release()
-
-
-class _MarkCheckpoint(TrainerCallback):
-    def __init__(self, folder: RunFolder):
-        self.folder = folder
-
-    def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / RUN_FILE
-        try:
-            path.write_text(json.dumps({"step": state.global_step, **self.folder.run_state()}, default=str))
-        except OSError as exc:
-            raise io_error("checkpoint", path.parent, exc) from exc
 
 
 def export_final(trainer: Any, recipe: Recipe) -> Path:

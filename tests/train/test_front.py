@@ -207,3 +207,33 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("target,at_rank", [("checkpoint", 1), ("metrics", 0)])
+def test_full_disk_on_one_rank_ends_every_rank(tmp_path, data_path, target, at_rank):
+    """ENOSPC on one rank (rank 1 writing its part of checkpoint-2, rank 0 appending to
+    metrics.jsonl): that rank reports one line naming the path and "no space left on device", the
+    other rank fails at once (no hang), and the previous checkpoint stays the one to resume from."""
+    import re
+
+    from tests.train.front_workers import fault_worker
+
+    out = tmp_path / "out"
+    raw = _recipe(out, data_path, train={"max_steps": 3, "warmup_steps": 0}, checkpoint={"save_every": 1})
+    store = tmp_path / "store"
+    store.mkdir()
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(fault_worker, 2, {"raw": raw, "target": target, "at_rank": at_rank}, str(store))
+    assert re.search(rf"rank\(s\) \[{at_rank}\] .*died with exit codes \[3\]", str(info.value)), info.value
+    failed, other = (json.loads((store / f"rank{r}.json").read_text()) for r in (at_rank, 1 - at_rank))
+    assert failed["error"] == "TrainError" and "no space left on device" in failed["message"], failed
+    assert "\n" not in failed["message"]
+    assert other["error"] is not None and abs(other["at"] - failed["at"]) < 10, (failed, other)
+    if target == "metrics":
+        assert "metrics.jsonl" in failed["message"]
+        return
+    assert "checkpoint-2" in failed["message"] and "checkpoint-1 is intact" in failed["message"]
+    # the cut-off checkpoint-2 is never resumed from: --resume names it and the complete checkpoint-1
+    with pytest.raises(RecipeError, match="checkpoint-2 is damaged .* newest complete one is .*checkpoint-1"):
+        _folder(tmp_path, data_path).claim(True, is_main=True)
