@@ -16,6 +16,7 @@ micro-step, fp32 master weights for a bf16 model under DDP, the memory options.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ringft.ops.validate import PeerFailed, run_together
 from ringft.train.build import add_lora, build_model, build_tokenizer, model_config
 from ringft.train.data import load_training_data, split_eval_data
 from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
+from ringft.train.front_launch import model_construction, prepare_launch
 from ringft.train.front_parts import (
     MetricsCallback,
     RecipeDataset,
@@ -57,7 +59,7 @@ def _report_to(tracker: str | None) -> list[str]:
     return [] if tracker in (None, "none") else [tracker]
 
 
-def training_arguments(recipe: Recipe, progress: bool = True) -> Any:
+def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False) -> Any:
     """The ``TrainingArguments`` of a recipe (the schedule is the recipe's: :class:`RecipeTrainer`)."""
     from transformers import TrainingArguments
 
@@ -101,6 +103,7 @@ def training_arguments(recipe: Recipe, progress: bool = True) -> Any:
         average_tokens_across_devices=True,  # the one-process update on the step's global batch
         disable_tqdm=not progress,
         use_cpu=not torch.cuda.is_available(),
+        bf16=bf16,  # the launch's mixed precision (DeepSpeed / FSDP keep fp32 masters then)
         **{**evaluation, **length},
     )
 
@@ -170,7 +173,8 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
     """The :class:`RecipeTrainer` of ``recipe`` and its locked :class:`RunFolder` (which says what to
     resume from). ``resume``: False, True (the newest checkpoint) or a checkpoint folder."""
     global RecipeTrainer
-    args = training_arguments(recipe, progress)
+    launch = prepare_launch(recipe, is_main=os.environ.get("RANK", "0") == "0")
+    args = training_arguments(recipe, progress, **launch)
     world = args.world_size
     validate(recipe, world_size=world)
     torch.manual_seed(recipe.train.seed)
@@ -186,7 +190,9 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
     try:
         for note in data.notes:
             _print_main(args, note)
-        model = add_lora(build_model(recipe, len(tokenizer), config), recipe)
+        with model_construction():
+            model = build_model(recipe, len(tokenizer), config)
+        model = add_lora(model, recipe)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t, p = recipe.train, recipe.parallel
         RecipeTrainer = RecipeTrainer or _trainer_class()
