@@ -107,6 +107,23 @@ CASES: dict[str, tuple[int, Any, list[str]]] = {
         ),
         [],
     ),
+    "lora_bf16_adapters_cp2": (
+        2,
+        tiny_recipe(cp=2, model={"dtype": "bf16"}, lora={"r": 8, "alpha": 16, "adapter_dtype": "model"}),
+        [],
+    ),
+    "offload_cp2": (
+        2,
+        tiny_recipe(
+            cp=2,
+            train={
+                "gradient_checkpointing": True,
+                "offload_activations": True,
+                "attention_checkpoint": "offload",
+            },
+        ),
+        [],
+    ),
 }
 
 
