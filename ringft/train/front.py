@@ -19,7 +19,6 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +33,14 @@ from ringft.train.front_parts import (
     MetricsCallback,
     RecipeDataset,
     RecipeSampler,
-    lr_schedule,
-    peak_memory_gb,
     whole_batch_collator,
 )
 from ringft.train.front_runs import RunFolder, export_final, intact_note, push_export
 from ringft.train.hf.mixin import RingTrainerMixin
 from ringft.train.recipe import Recipe, validate
+from ringft.train.schedule import TrainResult, lr_schedule, peak_memory_gb
 
 __all__ = ["RecipeTrainer", "TrainResult", "build_trainer", "train", "training_arguments"]
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` returns: steps done, per-step losses, the export folder, throughput."""
-
-    steps: int
-    losses: list[float]
-    final_dir: str | None
-    tokens_per_s: float
 
 
 def _report_to(tracker: str | None) -> list[str]:

@@ -10,8 +10,6 @@ every CP rank of a replica reads the same. Resuming mid-epoch skips the epoch's 
 
 from __future__ import annotations
 
-import math
-import resource
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,39 +18,11 @@ import torch
 from transformers import TrainerCallback
 
 from ringft.data.collator import RingDataCollator
-from ringft.train.recipe import Recipe, TrainConfig
+from ringft.train.recipe import Recipe
 from ringft.train.run_dir import MetricsFile
+from ringft.train.schedule import peak_memory_gb
 
-__all__ = [
-    "MetricsCallback",
-    "RecipeDataset",
-    "RecipeSampler",
-    "lr_schedule",
-    "peak_memory_gb",
-    "whole_batch_collator",
-]
-
-
-def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
-    """``step -> lr factor``: linear warmup over ``warmup_steps`` (step 0 already trains at
-    ``1 / warmup_steps``), then constant or cosine down to ``min_lr_ratio`` at ``max_steps``."""
-
-    def factor(step: int) -> float:
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.schedule == "constant":
-            return 1.0
-        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocations, or the CPU process's max RSS (GiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+__all__ = ["MetricsCallback", "RecipeDataset", "RecipeSampler", "whole_batch_collator"]
 
 
 class RecipeDataset(torch.utils.data.Dataset):

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from ringft.train.recipe import recipe_from_dict
-from tests.workers import fresh_group, one_thread
+from tests.workers import fresh_group, full_disk, one_thread
 
 
 def _kill_callback(at_step: int):
@@ -56,33 +56,6 @@ def front_runs(rank: int, world: int, runs: list[dict], store_dir: str) -> list[
     return results
 
 
-def _full_disk(target: str):
-    """From now on in this process, writes of ``target`` fail with ENOSPC: ``checkpoint`` (torch.save
-    into ``checkpoint-2``) or ``metrics`` (appends to metrics.jsonl)."""
-    import errno
-
-    import torch
-
-    from ringft.train import run_dir
-
-    def enospc(path) -> OSError:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if target == "checkpoint" and "checkpoint-2" in str(f):
-            raise enospc(f)
-        return real_save(obj, f, *args, **kwargs)
-
-    def open_(path, mode="r", *args, **kwargs):
-        if target == "metrics" and str(path).endswith("metrics.jsonl") and "a" in mode:
-            raise enospc(path)
-        return open(path, mode, *args, **kwargs)
-
-    torch.save, run_dir.open = save, open_
-
-
 def fault_worker(rank: int, world: int, case: dict, store_dir: str) -> None:
     """Train ``case["raw"]`` with a full disk on ``case["at_rank"]``; each rank records its error and
     the time to ``store_dir/rank{rank}.json``; the rank that met the fault then exits with code 3
@@ -93,13 +66,12 @@ def fault_worker(rank: int, world: int, case: dict, store_dir: str) -> None:
 
     one_thread()
     fresh_group(store_dir, 0, rank, world)
-    if rank == case["at_rank"]:
-        _full_disk(case["target"])
     result: dict = {"error": None}
-    try:
-        front.train(recipe_from_dict(case["raw"]), progress=False)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        result = {"error": type(exc).__name__, "message": str(exc), "at": time.time()}
+    with full_disk(case["target"], rank, case["at_rank"], "checkpoint-2"):
+        try:
+            front.train(recipe_from_dict(case["raw"]), progress=False)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            result = {"error": type(exc).__name__, "message": str(exc), "at": time.time()}
     (Path(store_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     if rank == case["at_rank"]:
         os._exit(3)
