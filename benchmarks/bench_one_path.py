@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -133,6 +134,11 @@ def _tokens_per_step(recipe: dict[str, Any], processes: int) -> int:
     return dp * t.get("micro_batch_size", 1) * t.get("grad_accum", 1) * recipe["data"]["seq_len"]
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_case(name: str, repo: Path, work: Path, port: int, extra: list[str]) -> dict[str, Any]:
     """Launch one case with ``repo``'s ringft; its losses, step times and peak memory."""
     import yaml
@@ -171,9 +177,9 @@ def run_case(name: str, repo: Path, work: Path, port: int, extra: list[str]) -> 
         *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    tic = time.perf_counter()
+    tic, cpu0 = time.perf_counter(), _children_cpu_s()
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - tic
+    wall, cpu = time.perf_counter() - tic, _children_cpu_s() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"case {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -187,14 +193,16 @@ def run_case(name: str, repo: Path, work: Path, port: int, extra: list[str]) -> 
         "median_step_s": statistics.median(times[2:] or times),
         "peak_rss_gb": max(r["peak_mem_gb"] for r in rows),
         "wall_s": wall,
+        "cpu_s": cpu,  # user + system time of every process of the launch (imports and set-up included)
     }
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Markdown table rows: per case, the worst relative loss difference and the ratios."""
     lines = [
-        "| case | steps | max rel. loss diff | step time after / before | peak RSS after / before |",
-        "| --- | --- | --- | --- | --- |",
+        "| case | steps | max rel. loss diff | step time after / before | peak RSS after / before "
+        "| launch CPU s after / before |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, a in after["cases"].items():
         b = before["cases"].get(name)
@@ -206,7 +214,8 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
             f"| {name} | {n} | {diff:.2e} | {a['median_step_s'] / b['median_step_s']:.3f} "
             f"({b['median_step_s'] * 1e3:.0f} -> {a['median_step_s'] * 1e3:.0f} ms) | "
             f"{a['peak_rss_gb'] / b['peak_rss_gb']:.3f} "
-            f"({b['peak_rss_gb']:.3f} -> {a['peak_rss_gb']:.3f} GiB) |"
+            f"({b['peak_rss_gb']:.3f} -> {a['peak_rss_gb']:.3f} GiB) | "
+            + (f"{b['cpu_s']:.1f} -> {a['cpu_s']:.1f} |" if "cpu_s" in a and "cpu_s" in b else "- |")
         )
     return lines
 
