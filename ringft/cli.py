@@ -20,11 +20,31 @@ def _train(argv: list[str]) -> int:
         epilog="Any recipe key can be overridden: --train.max_steps 20 --parallel.cp_size=4",
     )
     parser.add_argument("recipe", help="recipe YAML file (`ringft plan ... --write-recipe` writes one)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="PATH",
+        help="continue from the newest complete checkpoint (or from the checkpoint folder PATH)",
+    )
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--engine",
+        choices=("loop", "trainer"),
+        default="loop",
+        help="loop: ringft's own training loop; trainer: transformers.Trainer with RingTrainerMixin",
+    )
     args, overrides = parser.parse_known_args(argv)
-    from ringft.train import TrainError, load_recipe, train
+    from ringft.train import TrainError, load_recipe
 
+    if args.engine == "trainer":
+        from ringft.train.front import train
+    else:
+        from ringft.train import train
+
+        if isinstance(args.resume, str):
+            parser.error("--resume PATH needs --engine trainer (the loop resumes its newest checkpoint)")
     try:
         recipe = load_recipe(args.recipe, overrides)
         train(recipe, resume=args.resume, progress=not args.no_progress)

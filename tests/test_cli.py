@@ -80,11 +80,11 @@ def test_overrides_take_key_equals_value():
     "section,key,hint",
     [
         ("train", "lrr", "did you mean train.lr?"),
-        ("train", "learning_rate", "learning_rate is train.lr"),
+        ("checkpoint", "learning_rate", "learning_rate is train.lr"),
         ("train", "output_dir", "did you mean checkpoint.output_dir?"),
-        ("train", "gradient_accumulation_steps", "is train.grad_accum"),
-        ("train", "per_device_train_batch_size", "is train.micro_batch_size"),
-        ("train", "num_train_epochs", "not supported"),
+        ("model", "gradient_accumulation_steps", "is train.grad_accum"),
+        ("data", "per_device_train_batch_size", "is train.micro_batch_size"),
+        ("data", "num_train_epochs", "did you mean train.num_train_epochs?"),
         ("model", "bf16", "model.dtype"),
         (None, "max_steps", "did you mean train.max_steps?"),
         (None, "trian", "did you mean train?"),
@@ -95,6 +95,19 @@ def test_unknown_keys_name_what_was_meant(section, key, hint):
     with pytest.raises(RecipeError) as err:
         recipe_from_dict(raw)
     assert hint in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hugging_face_names_in_their_section():
+    raw = {
+        **BASE,
+        "train": {"learning_rate": 1e-4, "gradient_accumulation_steps": 2, "num_train_epochs": 3},
+        "logging": {"report_to": "none"},
+    }
+    recipe = recipe_from_dict(raw)
+    assert (recipe.train.lr, recipe.train.grad_accum, recipe.train.num_train_epochs) == (1e-4, 2, 3)
+    assert recipe.logging.tracker == "none"
+    with pytest.raises(RecipeError, match="train.learning_rate and train.lr are the same setting"):
+        recipe_from_dict({**BASE, "train": {"learning_rate": 1e-4, "lr": 1e-4}})
 
 
 def test_a_folder_given_as_a_recipe(tmp_path):

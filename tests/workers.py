@@ -11,6 +11,8 @@ fresh processes. Crashes are injected by :func:`inject_kill`, not by the library
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from datetime import timedelta
@@ -46,6 +48,36 @@ def fresh_group(store_dir: str, index: int, rank: int, world: int) -> None:
             world_size=world,
             timeout=timedelta(seconds=RUN_TIMEOUT),
         )
+
+
+@contextlib.contextmanager
+def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
+    """Writes of ``target`` on ``at_rank`` fail with ENOSPC: ``checkpoint`` (torch.save of a path
+    containing ``checkpoint_part``) or ``metrics`` (appends to metrics.jsonl)."""
+    from ringft.train import run_dir
+
+    def enospc(path) -> OSError:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if target == "checkpoint" and checkpoint_part in str(f):
+            raise enospc(f)
+        return real_save(obj, f, *args, **kwargs)
+
+    def open_(path, mode="r", *args, **kwargs):
+        if target == "metrics" and str(path).endswith("metrics.jsonl") and "a" in mode:
+            raise enospc(path)
+        return open(path, mode, *args, **kwargs)
+
+    if rank == at_rank:
+        torch.save, run_dir.open = save, open_
+    try:
+        yield
+    finally:
+        torch.save = real_save
+        run_dir.__dict__.pop("open", None)
 
 
 def inject_kill(trainer, spec: str, rank: int) -> None:

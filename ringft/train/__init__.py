@@ -7,8 +7,9 @@ model config, model, optimizer groups), ``data`` (loading, checks, data order), 
 """
 
 from ringft.train.errors import RecipeError, TrainError
-from ringft.train.loop import Trainer, TrainResult, train
+from ringft.train.loop import Trainer, train
 from ringft.train.recipe import Recipe, load_recipe, recipe_from_dict
+from ringft.train.schedule import TrainResult
 
 __all__ = [
     "Recipe",

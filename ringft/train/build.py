@@ -24,6 +24,7 @@ from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
 
 __all__ = [
+    "add_lora",
     "build_model",
     "build_tokenizer",
     "decay_parameter_groups",
@@ -209,25 +210,32 @@ def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.
         from ringft.model.tiled_norm import enable_tiled_norm
 
         enable_tiled_norm(model, tile_tokens=t.tiled_norm_tokens)
-    if recipe.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        lc = recipe.lora
-        _check_lora_targets(model, lc.target_modules)
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lc.r,
-                lora_alpha=lc.alpha,
-                lora_dropout=lc.dropout,
-                target_modules=list(lc.target_modules),
-                task_type="CAUSAL_LM",
-            ),
-            autocast_adapter_dtype=lc.adapter_dtype == "fp32",
-        )
-        if t.gradient_checkpointing:
-            model.enable_input_require_grads()
+    model = add_lora(model, recipe)
     model.train()
+    return model
+
+
+def add_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
+    """The model with the recipe's LoRA adapter (peft; the model itself without ``lora``)."""
+    if recipe.lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lc = recipe.lora
+    _check_lora_targets(model, lc.target_modules)
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=lc.r,
+            lora_alpha=lc.alpha,
+            lora_dropout=lc.dropout,
+            target_modules=list(lc.target_modules),
+            task_type="CAUSAL_LM",
+        ),
+        autocast_adapter_dtype=lc.adapter_dtype == "fp32",
+    )
+    if recipe.train.gradient_checkpointing:
+        model.enable_input_require_grads()
     return model
 
 

@@ -26,7 +26,7 @@ from ringft.ops.parallel import ParallelLayout
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
 
-__all__ = ["TrainingData", "example_indices", "load_training_data"]
+__all__ = ["TrainingData", "example_indices", "load_training_data", "split_eval_data"]
 
 IGNORE_INDEX = -100
 PADDING_WARN_FRACTION = 0.5  # warn when more than half of every batch would be padding
@@ -198,6 +198,53 @@ def check_rows(dataset: Any, recipe: Recipe, vocab_size: int, where: str) -> Tra
     return data
 
 
+def _load_folder(path: str, key: str) -> Any:
+    from datasets import load_from_disk
+
+    try:
+        ds = load_from_disk(path)
+    except Exception as exc:  # noqa: BLE001 - not a save_to_disk folder, a DatasetDict, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RecipeError(
+            f"{key} {path!r} is not a datasets save_to_disk folder ({first}): build it with data_prep/pack.py"
+        ) from None
+    if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
+        raise RecipeError(f"{key} {path!r} holds several splits: save one split (a Dataset)")
+    if "input_ids" not in ds.column_names:
+        raise RecipeError(f"dataset {path!r} has no input_ids column (columns: {ds.column_names})")
+    return ds
+
+
+def split_eval_data(
+    recipe: Recipe, data: TrainingData, vocab_size: int
+) -> tuple[TrainingData, TrainingData | None]:
+    """``(train, eval)``: ``data.eval_path`` loaded and checked as the training rows are, or
+    ``data.eval_fraction`` of the training rows held out (a permutation seeded by ``train.seed``);
+    eval None without either."""
+    d = recipe.data
+    if d.eval_path is not None:
+        return data, check_rows(
+            _load_folder(d.eval_path, "data.eval_path"), recipe, vocab_size, repr(d.eval_path)
+        )
+    if not d.eval_fraction:
+        return data, None
+    n = len(data)
+    held = int(round(n * d.eval_fraction))
+    if not 1 <= held < n:
+        raise RecipeError(
+            f"data.eval_fraction={d.eval_fraction} of {n} rows holds out {held}: choose a fraction that "
+            "keeps at least one row on each side"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(recipe.train.seed)).tolist()
+    train_rows, eval_rows = sorted(order[held:]), sorted(order[:held])
+    parts = []
+    for rows in (train_rows, eval_rows):
+        parts.append(
+            TrainingData(data.dataset.select(rows, keep_in_memory=True), data.seq_len, data.truncate)
+        )
+    return parts[0], parts[1]
+
+
 def load_training_data(recipe: Recipe, tokenizer: Any, vocab_size: int) -> TrainingData:
     """The recipe's dataset (``data.path`` folder or ``data.synthetic`` records), checked.
 
@@ -205,21 +252,7 @@ def load_training_data(recipe: Recipe, tokenizer: Any, vocab_size: int) -> Train
     """
     d = recipe.data
     if d.path is not None:
-        from datasets import load_from_disk
-
-        try:
-            ds = load_from_disk(d.path)
-        except Exception as exc:  # noqa: BLE001 - not a save_to_disk folder, a DatasetDict, ...
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise RecipeError(
-                f"data.path {d.path!r} is not a datasets save_to_disk folder ({first}): build it with "
-                "data_prep/pack.py"
-            ) from None
-        if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
-            raise RecipeError(f"data.path {d.path!r} holds several splits: save one split (a Dataset)")
-        if "input_ids" not in ds.column_names:
-            raise RecipeError(f"dataset {d.path!r} has no input_ids column (columns: {ds.column_names})")
-        return check_rows(ds, recipe, vocab_size, repr(d.path))
+        return check_rows(_load_folder(d.path, "data.path"), recipe, vocab_size, repr(d.path))
     from ringft.data.line_retrieval.training import make_repeat_dataset, make_synthetic_dataset
 
     syn = d.synthetic

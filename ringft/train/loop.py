@@ -15,12 +15,8 @@ loaded. A refused run writes nothing.
 
 from __future__ import annotations
 
-import math
-import resource
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,42 +50,11 @@ from ringft.train.integrations import (
     run_micro_steps,
 )
 from ringft.train.master_weights import MasterWeights, needs_master_weights
-from ringft.train.recipe import Recipe, TrainConfig, validate
+from ringft.train.recipe import Recipe, validate
 from ringft.train.run_dir import MetricsFile, OutputDirLock
+from ringft.train.schedule import TrainResult, lr_schedule, peak_memory_gb
 
 __all__ = ["TrainResult", "Trainer", "lr_schedule", "train"]
-
-
-def lr_schedule(t: TrainConfig) -> Callable[[int], float]:
-    """``step -> lr factor``: linear warmup over ``warmup_steps``, then constant or cosine down to
-    ``min_lr_ratio`` at ``max_steps``. A pure function of the step: nothing to checkpoint."""
-
-    def factor(step: int) -> float:
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.schedule == "constant":
-            return 1.0
-        progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocations, or the CPU process's max RSS (GiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` returns: steps done, per-step losses, the export folder, throughput."""
-
-    steps: int
-    losses: list[float]
-    final_dir: str | None
-    tokens_per_s: float
 
 
 def _as_float(value: Any) -> float | None:
@@ -107,6 +72,23 @@ def _tracker_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
+
+
+def _refuse_trainer_only(recipe: Recipe) -> None:
+    t, d, c = recipe.train, recipe.data, recipe.checkpoint
+    asked = [
+        name
+        for name, on in [
+            ("train.num_train_epochs", t.num_train_epochs),
+            ("train.eval_every", t.eval_every),
+            ("data.eval_path", d.eval_path),
+            ("data.eval_fraction", d.eval_fraction),
+            ("checkpoint.push_to_hub", c.push_to_hub),
+        ]
+        if on
+    ]
+    if asked:
+        raise RecipeError(f"{', '.join(asked)}: run with `ringft train --engine trainer`")
 
 
 class Trainer:
@@ -131,6 +113,7 @@ class Trainer:
         recipe, acc, t = self.recipe, self.accelerator, self.recipe.train
         world = acc.num_processes
         validate(recipe, world_size=world)
+        _refuse_trainer_only(recipe)
         self.kind = distributed_kind(acc)
         check_precision(self.kind, acc, recipe)
         if self.kind == DEEPSPEED:

@@ -17,7 +17,20 @@ import yaml
 
 from ringft.train.errors import RecipeError
 
-__all__ = ["HF_NAMES", "apply_overrides", "unknown_keys_message"]
+__all__ = ["ALIASES", "HF_NAMES", "apply_overrides", "resolve_aliases", "unknown_keys_message"]
+
+# Hugging Face TrainingArguments names a recipe section accepts for its own keys (section -> name -> key).
+ALIASES: dict[str, dict[str, str]] = {
+    "train": {
+        "learning_rate": "lr",
+        "gradient_accumulation_steps": "grad_accum",
+        "per_device_train_batch_size": "micro_batch_size",
+        "max_grad_norm": "grad_clip",
+        "eval_steps": "eval_every",
+    },
+    "checkpoint": {"save_steps": "save_every", "save_total_limit": "keep"},
+    "logging": {"report_to": "tracker", "logging_steps": "log_every"},
+}
 
 # transformers.TrainingArguments / TRL / PEFT names -> the ringft recipe key (or what to do instead).
 HF_NAMES: dict[str, str] = {
@@ -48,8 +61,10 @@ HF_NAMES: dict[str, str] = {
     "dataset_path": "data.path",
     "bf16": "model.dtype (bf16 or fp32: the weights' dtype; bf16 by default)",
     "fp16": "model.dtype (bf16 or fp32; fp16 is not supported)",
-    "num_train_epochs": "not supported: ringft counts optimizer steps, set train.max_steps (steps = epochs x"
-    " rows / (micro_batch_size x grad_accum x dp))",
+    "num_train_epochs": "train.num_train_epochs",
+    "eval_steps": "train.eval_every",
+    "push_to_hub": "checkpoint.push_to_hub",
+    "hub_model_id": "checkpoint.hub_model_id",
     "cp_size": "parallel.cp_size",
     "lora_r": "lora.r",
     "lora_alpha": "lora.alpha",
@@ -82,6 +97,19 @@ def unknown_keys_message(
     if not where:
         return f"unknown recipe section(s) {named}; valid: {', '.join(valid)}"
     return f"unknown key(s) {named}; valid keys in {where!r}: {', '.join(valid)}"
+
+
+def resolve_aliases(where: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` of section ``where`` with Hugging Face names (:data:`ALIASES`) renamed to the
+    section's keys; refuses a key given under both names."""
+    names = ALIASES.get(where, {})
+    out = dict(values)
+    for hf, key in names.items():
+        if hf in out:
+            if key in out:
+                raise RecipeError(f"{where}.{hf} and {where}.{key} are the same setting: give one of them")
+            out[key] = out.pop(hf)
+    return out
 
 
 def _pairs(overrides: list[str]) -> list[tuple[str, str]]:

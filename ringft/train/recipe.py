@@ -24,7 +24,7 @@ from ringft.ops.sharding import ulysses_size_problem, zigzag_length_problem
 from ringft.ops.ulysses import heads_problem
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list
-from ringft.train.overrides import apply_overrides, unknown_keys_message
+from ringft.train.overrides import apply_overrides, resolve_aliases, unknown_keys_message
 
 __all__ = [
     "CheckpointConfig",
@@ -145,12 +145,16 @@ class DataConfig(Section):
     too_long: str = choice("fail", ("fail", "truncate", "drop"))  # rows longer than seq_len
     # attention and targets stay inside each document of a packed row (rows carry cu_seqlens)
     document_masking: bool = boolean(False)
+    eval_path: str | None = text(None, optional=True)  # an eval split (a save_to_disk folder), or:
+    eval_fraction: float = number(0.0, lo=0, lt=1)  # this fraction of the rows, held out (seeded)
 
     def check(self) -> None:
         if self.synthetic is not None and not isinstance(self.synthetic, SyntheticConfig):
             self.synthetic = build_section(SyntheticConfig, self.synthetic)
         if (self.path is None) == (self.synthetic is None):
             raise RecipeError("set exactly one of data.path (a save_to_disk folder) or data.synthetic")
+        if self.eval_path is not None and self.eval_fraction:
+            raise RecipeError("set at most one of data.eval_path or data.eval_fraction (the eval split)")
         if self.document_masking and self.synthetic is not None:
             raise RecipeError(
                 "data.document_masking needs packed rows with their document offsets (data.path built by "
@@ -218,6 +222,8 @@ class TrainConfig(Section):
     chunked_loss: bool = boolean(True)  # LM head + cross-entropy in token chunks
     loss_chunk_size: int = integer(4096, lo=1)
     seed: int = integer(0, lo=0)
+    num_train_epochs: float | None = number(None, gt=0, optional=True)  # set: epochs decide, not max_steps
+    eval_every: int = integer(0, lo=0)  # steps between eval-loss passes over the eval split; 0 = off
 
     def check(self) -> None:
         if (mode := self.attention_checkpoint) != "recompute" and not self.gradient_checkpointing:
@@ -238,6 +244,12 @@ class CheckpointConfig(Section):
     save_every: int = integer(0, lo=0)  # steps; 0 = only at the end
     keep: int = integer(2, lo=1)  # newest complete checkpoints to keep
     save_final: bool = boolean(True)  # false: neither the last checkpoint nor the export (benchmark runs)
+    push_to_hub: bool = boolean(False)  # upload the export (final/) to the Hugging Face Hub
+    hub_model_id: str | None = text(None, optional=True)  # the Hub repository (default: the folder's name)
+
+    def check(self) -> None:
+        if self.push_to_hub and not self.save_final:
+            raise RecipeError("checkpoint.push_to_hub uploads the export: set checkpoint.save_final: true")
 
 
 @dataclass
@@ -302,6 +314,7 @@ def build_section(cls: type[Section], values: Any) -> Section:
     where = cls.NAME
     if not isinstance(values, dict):
         raise RecipeError(f"recipe section {where!r} must be a mapping, got {values!r}")
+    values = resolve_aliases(where, values)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - names)
     if unknown:
@@ -376,9 +389,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     """Checks beyond the types: the dataset folder exists; with ``world_size``, cp_size divides it."""
     if world_size is not None:
         _cp_divides_world(recipe.parallel.cp_size, world_size)
-    path = recipe.data.path
-    if path is not None and not Path(path).exists():
-        raise RecipeError(
-            f"dataset folder {path!r} does not exist: build it with data_prep/pack.py "
-            "(or data_prep/make_synthetic.py) first"
-        )
+    for path in (p for p in (recipe.data.path, recipe.data.eval_path) if p is not None):
+        if not Path(path).exists():
+            raise RecipeError(
+                f"dataset folder {path!r} does not exist: build it with data_prep/pack.py "
+                "(or data_prep/make_synthetic.py) first"
+            )

@@ -244,7 +244,9 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
 def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, references):
     """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
     accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
-    x grad_accum 2 == one process with micro 4."""
+    x grad_accum 2 == one process with micro 4. Run through ``--engine trainer`` (transformers'
+    Trainer with the ring mixin; the recipe's accumulation and clipping replace the launch
+    config's)."""
     ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")
     raw = pretrained_recipe(
         tmp_path / "offload",
@@ -253,7 +255,7 @@ def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, r
         parallel={"cp_size": 2},
         train={"micro_batch_size": 2, "grad_accum": 2, "chunked_loss": True, **WEIGHT_DECAY},
     )
-    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw)
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw, "--engine", "trainer")
     assert _metric(tmp_path / "offload") == pytest.approx(ref_losses, rel=LOSS_RTOL)
     assert_updates_close(final_weights(tmp_path / "offload"), ref_weights, initial(model_dir), UPDATE_RTOL)
 

@@ -14,7 +14,6 @@ In-process part: the pieces (data checks, checkpoint choice, lock, metrics rewri
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import json
 import os
@@ -30,7 +29,7 @@ import yaml
 
 from ringft.utils.spawn import run_distributed
 from tests.tiny_training import tiny_recipe
-from tests.workers import fresh_group, one_thread
+from tests.workers import fresh_group, full_disk, one_thread
 
 TIMEOUT = 180.0
 
@@ -95,36 +94,6 @@ def _run_bad_input(case: dict) -> dict:
     return {"rc": rc, "stderr": err.getvalue()}
 
 
-@contextlib.contextmanager
-def _full_disk(target: str, rank: int, at_rank: int):
-    """Writes of ``target`` on ``at_rank`` fail with ENOSPC (torch.save for checkpoints, open() of
-    metrics.jsonl)."""
-    from ringft.train import run_dir
-
-    def enospc(path) -> OSError:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if target == "checkpoint" and "step-00000002.tmp" in str(f):
-            raise enospc(f)
-        return real_save(obj, f, *args, **kwargs)
-
-    def open_(path, mode="r", *args, **kwargs):
-        if target == "metrics" and str(path).endswith("metrics.jsonl") and "a" in mode:
-            raise enospc(path)
-        return open(path, mode, *args, **kwargs)
-
-    if rank == at_rank:
-        torch.save, run_dir.open = save, open_
-    try:
-        yield
-    finally:
-        torch.save = real_save
-        run_dir.__dict__.pop("open", None)
-
-
 def _run_fault(case: dict, rank: int) -> dict:
     """Train under an injected full disk. The rank that meets it exits (``os._exit``) right after
     recording its error, as ``ringft train`` would; the other rank must then fail at once."""
@@ -133,7 +102,10 @@ def _run_fault(case: dict, rank: int) -> dict:
 
     out = io.StringIO()
     result: dict = {"error": None}
-    with _full_disk(case["target"], rank, case["at_rank"]), contextlib.redirect_stdout(out):
+    with (
+        full_disk(case["target"], rank, case["at_rank"], "step-00000002.tmp"),
+        contextlib.redirect_stdout(out),
+    ):
         try:
             Trainer(recipe_from_dict(case["raw"]), progress=False).run()
         except Exception as exc:  # noqa: BLE001 - reported to the test

@@ -8,7 +8,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["attention_checkpoint_problem", "check_no_accelerate_cp", "check_trainer_options"]
+__all__ = [
+    "attention_checkpoint_problem",
+    "check_no_accelerate_cp",
+    "check_tiled_norm",
+    "check_trainer_options",
+]
 
 WHERE = "ringft.RingTrainerMixin"
 
@@ -104,3 +109,14 @@ def check_trainer_options(trainer: Any) -> None:
         )
     if problems:
         raise ValueError(f"{WHERE}: " + "; ".join(problems))
+
+
+def check_tiled_norm(trainer: Any) -> None:
+    """Refuse ``tiled_norm_tokens`` under DeepSpeed (ZeRO-3 gathers a norm's partitioned weight in
+    hooks of its own forward call, which a tile's recompute bypasses)."""
+    if trainer.is_deepspeed_enabled:
+        raise ValueError(
+            f"{WHERE}: tiled_norm_tokens is not supported under DeepSpeed: ZeRO-3 gathers a norm's "
+            "partitioned weight in hooks of its own forward call, which a tile's recompute bypasses; drop "
+            "it, or launch with an FSDP or DDP config"
+        )

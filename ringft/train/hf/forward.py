@@ -69,16 +69,20 @@ def _rows(batch: dict[str, Any]) -> dict[str, Any]:
 class _LossSettings:
     chunk_size: int
     offload_activations: bool
+    chunked: bool = True
 
 
-def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_activations: bool) -> None:
+def install_ring_loss_forward(
+    model: torch.nn.Module, chunk_size: int, offload_activations: bool, chunked: bool = True
+) -> None:
     """Give ``model``'s causal LM the ``ringft_loss=True`` forward (idempotent: a second call
     updates the settings). ``offload_activations`` keeps the decoder's saved activations in CPU
-    memory (``torch.autograd.graph.save_on_cpu``)."""
+    memory (``torch.autograd.graph.save_on_cpu``); ``chunked=False``: the LM's full logits in one
+    piece instead of ``chunk_size`` token chunks."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     lm = pretrained_model(model)
-    settings = _LossSettings(chunk_size, offload_activations)
+    settings = _LossSettings(chunk_size, offload_activations, chunked)
     if getattr(lm, "_ringft_loss_settings", None) is not None:
         lm._ringft_loss_settings = settings
         return
@@ -102,7 +106,7 @@ def install_ring_loss_forward(model: torch.nn.Module, chunk_size: int, offload_a
             kwargs["shift_labels"],
             kwargs["num_items_in_batch"],
             cu_seqlens=kwargs.get(OFFSETS),
-            chunked=True,
+            chunked=s.chunked,
             chunk_size=s.chunk_size,
             offload_activations=s.offload_activations,
             router_rows=kwargs.get(RING_ROWS),

@@ -41,6 +41,7 @@ from ringft.train.hf.checks import (
     WHERE,
     attention_checkpoint_problem,
     check_no_accelerate_cp,
+    check_tiled_norm,
     check_trainer_options,
 )
 from ringft.train.hf.data import RingCollate, gather_over_dp, shard_loader_over_dp
@@ -124,6 +125,15 @@ class RingTrainerMixin:
       gradient checkpointing, keep each layer's ring attention output and log-sum-exp from the
       forward (``offload``: in host memory) so that the backward's recompute skips the ring forward
       (:func:`ringft.apply_ring_attention`); ``save`` / ``offload`` need ``activation_checkpointing``.
+    - ``tiled_norm_tokens``: run the RMSNorms over token tiles of this size (``ringft.model.tiled_norm``;
+      not under DeepSpeed, whose ZeRO-3 hooks a tile's recompute would bypass).
+    - ``master_weights``: fp32 master weights for the bf16 / fp16 parameters a plain optimizer
+      steps (DDP or one process; :mod:`ringft.train.hf.masters`): full fine-tuning of a model
+      loaded in bf16 keeps every small update. DeepSpeed and FSDP keep their own masters.
+    - ``chunked_loss``: False computes the ``lm_head`` over the rank's whole shard at once (full
+      logits: faster for a small vocabulary, more memory); True (default): ``loss_chunk_size`` chunks.
+    - ``ring_path``: run ringft's path (the ring, the chunked loss, its batch path) even with
+      ``cp_size=1`` and no memory option, as ``ringft train`` does.
 
     Gradient checkpointing is the Trainer's own (``activation_checkpointing=True``). Launch with
     ``accelerate launch`` (DDP, DeepSpeed ZeRO-3, FSDP1 / FSDP2 configs), ``cp_size`` given here,
@@ -142,12 +152,19 @@ class RingTrainerMixin:
         attention_tile_tokens: int | None = None,
         fused_rmsnorm: bool = True,
         attention_checkpoint: str = "recompute",
+        tiled_norm_tokens: int | None = None,
+        master_weights: bool = False,
+        ring_path: bool = False,
+        chunked_loss: bool = True,
         **kwargs: Any,
     ):
         as_integer(f"{WHERE}: cp_size", cp_size, 1)
         as_bool(f"{WHERE}: fused_rmsnorm", fused_rmsnorm)
         as_integer(f"{WHERE}: loss_chunk_size", loss_chunk_size, 1)
         as_integer(f"{WHERE}: attention_tile_tokens", attention_tile_tokens, 1, optional=True)
+        as_integer(f"{WHERE}: tiled_norm_tokens", tiled_norm_tokens, 1, optional=True)
+        self._master_weights = as_bool(f"{WHERE}: master_weights", master_weights)
+        self._masters: Any = None
         problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
         problem = problem or attention_checkpoint_problem(attention_checkpoint, _training_args(args, kwargs))
         if problem:
@@ -155,7 +172,7 @@ class RingTrainerMixin:
         self._ring: _Ring | None = None
         saving = attention_checkpoint != "recompute"
         active = cp_size > 1 or bool(tiled_mlp_tokens) or offload_activations or bool(attention_tile_tokens)
-        active = active or saving
+        active = active or saving or bool(tiled_norm_tokens) or as_bool(f"{WHERE}: ring_path", ring_path)
         if active:
             check_versions(uses_trl=_uses_trl(type(self)))
             check_no_accelerate_cp(_training_args(args, kwargs))
@@ -175,7 +192,9 @@ class RingTrainerMixin:
             attention_tile_tokens=attention_tile_tokens,
             attention_checkpoint=attention_checkpoint,
         )
-        install_ring_loss_forward(self.model, loss_chunk_size, offload_activations)
+        install_ring_loss_forward(
+            self.model, loss_chunk_size, offload_activations, as_bool(f"{WHERE}: chunked_loss", chunked_loss)
+        )
         if fused_rmsnorm:
             from ringft.model.fused_rmsnorm import enable_fused_rmsnorm
 
@@ -184,6 +203,11 @@ class RingTrainerMixin:
             from ringft.model.tiled_mlp import enable_tiled_mlp
 
             enable_tiled_mlp(self.model, tile_tokens=tiled_mlp_tokens)
+        if tiled_norm_tokens:  # after the fused norm, whose forward it then tiles
+            check_tiled_norm(self)
+            from ringft.model.tiled_norm import enable_tiled_norm
+
+            enable_tiled_norm(self.model, tile_tokens=tiled_norm_tokens)
         if self.is_fsdp_enabled:  # reduce-scatter every micro-step: a rank never holds unsharded gradients
             self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
             note = configure_fsdp_precision(self.accelerator)  # (the Trainer prepares the model later)
@@ -228,6 +252,20 @@ class RingTrainerMixin:
         return shard_loader_over_dp(loader, ring.layout, collate, description)
 
     # -- training ----------------------------------------------------------------------------
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self._master_weights and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            from ringft.train.hf.masters import attach_master_weights
+
+            self._masters = attach_master_weights(optimizer)
+        return optimizer
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        if self._masters is None:
+            return super()._clip_grad_norm(model)
+        self._masters.gradients_to_masters()  # clip the exact fp32 gradients the optimizer steps
+        return torch.nn.utils.clip_grad_norm_(self._masters.master_parameters(), self.args.max_grad_norm)
+
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         if self._ring is None:
             return super()._get_num_items_in_batch(batch_samples, device)

@@ -1,0 +1,265 @@
+"""``ringft train RECIPE.yaml`` as a recipe front end over ``transformers.Trainer`` with
+:class:`ringft.RingTrainerMixin` (run under ``accelerate launch``, as the Trainer is).
+
+The recipe becomes ``TrainingArguments`` (:func:`training_arguments`) and a :class:`RecipeTrainer`
+(the mixin over ``Trainer``, with the recipe's data order, optimizer groups and learning-rate
+schedule). Order of work, as before: everything that can be refused is checked first on every rank
+(recipe vs world size, tokenizer vs model config, the data), then the output folder is locked and
+the checkpoint to resume from is chosen and compared with the recipe, and only then is the model
+loaded. A refused run writes nothing.
+
+Under it, everything is the mixin's: the ring (CP = Ulysses x ring), the batch path (collate ->
+shift on the whole sequence -> pad to 2 x cp -> shard), the loss normalisation over every rank and
+micro-step, fp32 master weights for a bf16 model under DDP, the memory options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ringft.ops.validate import PeerFailed, run_together
+from ringft.train.build import add_lora, build_model, build_tokenizer, model_config
+from ringft.train.data import load_training_data, split_eval_data
+from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
+from ringft.train.front_launch import model_construction, prepare_launch
+from ringft.train.front_parts import (
+    MetricsCallback,
+    RecipeDataset,
+    RecipeSampler,
+    whole_batch_collator,
+)
+from ringft.train.front_runs import RunFolder, export_final, intact_note, push_export
+from ringft.train.hf.mixin import RingTrainerMixin
+from ringft.train.recipe import Recipe, validate
+from ringft.train.schedule import TrainResult, lr_schedule, peak_memory_gb
+
+__all__ = ["RecipeTrainer", "TrainResult", "build_trainer", "train", "training_arguments"]
+
+
+def _report_to(tracker: str | None) -> list[str]:
+    return [] if tracker in (None, "none") else [tracker]
+
+
+def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False) -> Any:
+    """The ``TrainingArguments`` of a recipe (the schedule is the recipe's: :class:`RecipeTrainer`)."""
+    from transformers import TrainingArguments
+
+    t, c, lg = recipe.train, recipe.checkpoint, recipe.logging
+    final_only = c.save_every == 0 and c.save_final
+    evaluation = (
+        {"eval_strategy": "steps", "eval_steps": t.eval_every, "prediction_loss_only": True}
+        if t.eval_every
+        else {}
+    )
+    length = (
+        {"max_steps": -1, "num_train_epochs": t.num_train_epochs}
+        if t.num_train_epochs
+        else {"max_steps": t.max_steps}
+    )
+    return TrainingArguments(
+        output_dir=c.output_dir,
+        per_device_train_batch_size=t.micro_batch_size,
+        per_device_eval_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        learning_rate=t.lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.betas[0],
+        adam_beta2=t.betas[1],
+        max_grad_norm=t.grad_clip,
+        optim="adamw_torch",
+        lr_scheduler_type="constant",  # replaced by the recipe's (RecipeTrainer.create_scheduler)
+        seed=t.seed,
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        logging_strategy="steps",
+        logging_steps=lg.log_every,
+        save_strategy="steps" if (c.save_every or final_only) else "no",
+        save_steps=c.save_every or t.max_steps,
+        save_total_limit=None,  # RunFolder.mark_complete rotates, once a new checkpoint is complete
+        report_to=_report_to(lg.tracker),
+        run_name=lg.project,
+        remove_unused_columns=False,
+        dataloader_drop_last=True,  # every optimizer step reads a whole global batch
+        ddp_find_unused_parameters=False,
+        average_tokens_across_devices=True,  # the one-process update on the step's global batch
+        disable_tqdm=not progress,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=bf16,  # the launch's mixed precision (DeepSpeed / FSDP keep fp32 masters then)
+        **{**evaluation, **length},
+    )
+
+
+def _decay_names(model: torch.nn.Module) -> list[str]:
+    """Trainable matrices decay (embeddings, projections), vectors (norm weights, biases) do not;
+    the rank read from ``ds_shape`` under ZeRO-3's partitioned construction."""
+    return [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and len(getattr(p, "ds_shape", None) or p.shape) >= 2
+    ]
+
+
+def _trainer_class() -> type:
+    from transformers import Trainer
+
+    class RecipeTrainer(RingTrainerMixin, Trainer):
+        """The ring trainer with the recipe's data order, weight-decay groups and schedule."""
+
+        def __init__(self, *args: Any, recipe: Recipe, **kwargs: Any):
+            self.recipe = recipe
+            super().__init__(*args, **kwargs)
+
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            dataset = train_dataset if train_dataset is not None else self.train_dataset
+            return RecipeSampler(len(dataset), self.recipe.train.seed, self.recipe.data.shuffle)
+
+        def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+            return _decay_names(model)
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            """The Trainer's save on every rank, then one verdict: an I/O failure on any rank
+            ends every rank with one line naming the folder; only a checkpoint every rank
+            completed is marked complete, and only then are old ones rotated out."""
+            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            kept = intact_note(self.args.output_dir)
+
+            def save() -> None:
+                try:
+                    super(RecipeTrainer, self)._save_checkpoint(model, trial)
+                except Exception as exc:  # noqa: BLE001 - I/O failures become one line
+                    if is_io_failure(exc):
+                        raise io_error("checkpoint", folder, exc, kept) from exc
+                    raise
+
+            try:
+                run_together(save, share_message=True)
+            except PeerFailed as exc:
+                raise TrainError(f"writing checkpoint {folder} failed on rank {exc.rank}: {exc}") from None
+            self.run_folder.mark_complete(folder, is_main=self.args.process_index == 0)
+
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            if self.lr_scheduler is None:
+                optimizer = self.optimizer if optimizer is None else optimizer
+                steps = dataclasses.replace(self.recipe.train, max_steps=num_training_steps)
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(steps))
+            return self.lr_scheduler
+
+    return RecipeTrainer
+
+
+RecipeTrainer: Any = None  # set on first use (transformers is imported lazily)
+
+
+def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = True) -> tuple[Any, RunFolder]:
+    """The :class:`RecipeTrainer` of ``recipe`` and its locked :class:`RunFolder` (which says what to
+    resume from). ``resume``: False, True (the newest checkpoint) or a checkpoint folder."""
+    global RecipeTrainer
+    launch = prepare_launch(recipe, is_main=os.environ.get("RANK", "0") == "0")
+    args = training_arguments(recipe, progress, **launch)
+    world = args.world_size
+    validate(recipe, world_size=world)
+    torch.manual_seed(recipe.train.seed)
+    tokenizer = build_tokenizer(recipe)
+    config = model_config(recipe, len(tokenizer))
+    data, eval_data = split_eval_data(
+        recipe, load_training_data(recipe, tokenizer, config.vocab_size), config.vocab_size
+    )
+    if recipe.train.eval_every and eval_data is None:
+        raise RecipeError("train.eval_every needs an eval split: set data.eval_path or data.eval_fraction")
+    folder = RunFolder(recipe, world)
+    folder.claim(resume, is_main=args.process_index == 0)
+    try:
+        for note in data.notes:
+            _print_main(args, note)
+        with model_construction():
+            model = build_model(recipe, len(tokenizer), config)
+        model = add_lora(model, recipe)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        t, p = recipe.train, recipe.parallel
+        RecipeTrainer = RecipeTrainer or _trainer_class()
+        trainer = RecipeTrainer(
+            model=model,
+            args=args,
+            train_dataset=RecipeDataset(data),
+            eval_dataset=None if eval_data is None else RecipeDataset(eval_data),
+            data_collator=whole_batch_collator(recipe, pad),
+            processing_class=tokenizer,
+            recipe=recipe,
+            cp_size=p.cp_size,
+            ulysses_size=p.ulysses_size,
+            ring_backend=recipe.model.attn_backend,
+            loss_chunk_size=t.loss_chunk_size,
+            chunked_loss=t.chunked_loss,
+            tiled_mlp_tokens=t.tiled_mlp_tokens,
+            tiled_norm_tokens=t.tiled_norm_tokens,
+            offload_activations=t.offload_activations,
+            attention_tile_tokens=t.attention_tile_tokens,
+            fused_rmsnorm=t.fused_rmsnorm,
+            attention_checkpoint=t.attention_checkpoint,
+            master_weights=True,
+            ring_path=True,
+        )
+    except BaseException:
+        folder.release()
+        raise
+    _quiet(trainer, progress)
+    folder.attach(trainer)
+    return trainer, folder
+
+
+def _print_main(args: Any, line: str) -> None:
+    if args.process_index == 0:
+        print(line, flush=True)
+
+
+def _quiet(trainer: Any, progress: bool) -> None:
+    """No per-log printing without a progress bar (metrics.jsonl and the trackers have every row)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    if not progress:
+        trainer.remove_callback(ProgressCallback)
+
+
+def train(recipe: Recipe, resume: bool | str = False, progress: bool = True) -> TrainResult:
+    """Train with a recipe (call under ``accelerate launch`` for several processes)."""
+    trainer, folder = build_trainer(recipe, resume, progress)
+    try:
+        return _run(trainer, folder, recipe)
+    finally:
+        folder.release()
+
+
+def _run(trainer: Any, folder: RunFolder, recipe: Recipe) -> TrainResult:
+    t, layout = recipe.train, trainer.ring_layout
+    tokens_per_step = layout.dp_size * t.micro_batch_size * t.grad_accum * recipe.data.seq_len
+    metrics = MetricsCallback(folder.metrics, tokens_per_step, trainer.args.device)
+    trainer.add_callback(metrics)
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=folder.resume_from)
+    wall = time.perf_counter() - started
+    final = export_final(trainer, recipe) if recipe.checkpoint.save_final else None
+    if final is not None and recipe.checkpoint.push_to_hub and trainer.args.process_index == 0:
+        push_export(final, recipe.checkpoint.hub_model_id or Path(recipe.checkpoint.output_dir).name)
+    done = trainer.state.global_step - folder.start_step
+    tps = tokens_per_step * done / wall if wall > 0 else 0.0
+    losses = metrics.losses
+    if losses and trainer.args.process_index == 0:
+        split = f" = ulysses {layout.ulysses_size} x ring {layout.ring_size}"
+        print(
+            f"ringft: {trainer.state.global_step} steps (dp={layout.dp_size} x cp={layout.cp_size}"
+            f"{split if layout.ulysses_size > 1 else ''}), "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {tps:,.0f} tokens/s, "
+            f"peak {peak_memory_gb(trainer.args.device):.2f} GB/rank, "
+            + (f"model saved to {final}" if final else "not saved (checkpoint.save_final: false)"),
+            file=sys.stdout,
+            flush=True,
+        )
+    return TrainResult(trainer.state.global_step, losses, str(final) if final else None, tps)
