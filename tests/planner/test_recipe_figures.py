@@ -1,6 +1,7 @@
-"""Every planner figure quoted in recipes/README.md and the recipes' comments is what ``ringft plan``
-prints for its command, rounded as quoted; each quoted ``python -m ringft plan`` command is the one
-the figure comes from."""
+"""Every planner figure quoted in recipes/README.md, README.md's results and the recipes' comments
+(memory, and the step-time model's tokens/s and step times: planned, not measured) is what ``ringft
+plan`` (``--time``) prints for its command, rounded as quoted; each quoted ``python -m ringft plan``
+command is the one the figure comes from."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import io
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -46,8 +48,6 @@ Z3_64K_16 = "--seq-len 65536 --gpus 16 --gpu-mem 79.6 --zero 3"
 STAGES = ((1, "64k", 65536, 1), (2, "128k", 131072, 2), (3, "256k", 262144, 4), (4, "512k", 524288, 8))
 SMOL_STAGES = (("1_16k", "16K", 16384), ("2_32k", "32K", 32768))
 
-Quantity = Callable[[dict], str] | str
-
 
 def gib(key: str, digits: int = 1, ranks: int = 1) -> Callable[[dict], str]:
     """A plan's term ``key`` (or the sum of ``+``-joined terms; ``ring``: the ring buffers) in GiB."""
@@ -62,6 +62,34 @@ def gib(key: str, digits: int = 1, ranks: int = 1) -> Callable[[dict], str]:
 TOTAL, TOTAL0, HOST, HOST0 = gib("total"), gib("total", 0), gib("cpu_offloaded"), gib("cpu_offloaded", 0)
 LONGEST = "longest"  # the longest sequence that fits the layout, in tokens with thousands commas
 
+
+@dataclass(frozen=True)
+class Timed:
+    """A figure of the step-time model: ``pick`` of the text ``ringft plan ... --time`` prints."""
+
+    pick: Callable[[str], str]
+
+
+_ROW = r"(?m)^\s+{} x {}" + r"\s+(\S+ m?s)\s+(\d+)" + r"\s+(\S+ m?s)" * 5
+_COLUMNS = ("step", "tokens", "ideal", "kernel", "ring", "a2a", "linear")
+
+
+def timed(u: int, r: int, column: str = "tokens") -> Timed:
+    """Layout ``u x r``'s ``column`` of the step-time table (tokens/s per GPU; the others with unit)."""
+    return Timed(lambda out: re.search(_ROW.format(u, r), out).group(1 + _COLUMNS.index(column)))
+
+
+def slower(u: int, r: int) -> Timed:
+    """How much longer layout ``u x r``'s step is than the recommended one's, as printed ("5.8%")."""
+    pattern = rf"vs ulysses {u} x ring {r} \(\w+\): \S+ \S+ \(\+([\d.]+%)\)"
+    return Timed(lambda out: re.search(pattern, out)[1])
+
+
+SPREAD = Timed(lambda out: re.search(r"all splits are within ([\d.]+%)", out)[1])
+A2A = Timed(lambda out: re.search(r"([\d.]+ [MG]iB) leaving each rank per layer", out)[1])
+
+Quantity = Callable[[dict], str] | str | Timed
+
 # (file, its text with {} per figure, one (ringft plan arguments, quantity) per {}). The files'
 # comments are compared with "#" and line breaks removed.
 FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
@@ -75,36 +103,78 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
             [f"--seq-len {s} --gpus 1 --gpu-mem 80 --no-gradient-checkpointing" for *_, s in SMOL_STAGES]
         ]
     ],
-    # "Two nodes: Ulysses x ring": the memory column and the text below it.
-    ("recipes/README.md", "| 1 x 8 | 481 | {} GiB |", [(f"{LLAMA} {LORA_16} --cp 8", TOTAL)]),
+    # "Two nodes: Ulysses x ring": the step-time model's tokens/s per GPU (planned by `--time`, one
+    # CP size per command), the memory column and the text below it.
+    *[
+        (
+            "recipes/README.md",
+            text,
+            [(f"{LLAMA} {LORA_16} --cp {cp} --time", timed(u, r)), (f"{LLAMA} {LORA_16} {mem}", TOTAL)],
+        )
+        for text, cp, u, r, mem in (
+            ("| 1 x 8 | {} | {} GiB |", 8, 1, 8, "--cp 8"),
+            ("| 8 x 1 | {} | {} GiB |", 8, 8, 1, "--cp 8 --ulysses-size 8"),
+            ("| 1 x 16 | {} | {} GiB |", 16, 1, 16, "--cp 16"),
+            ("| **{}** | **{} GiB** |", 16, 8, 2, "--cp 16 --ulysses-size 8"),
+        )
+    ],
     (
         "recipes/README.md",
-        "| 8 x 1 | 486 | {} GiB |",
-        [(f"{LLAMA} {LORA_16} --cp 8 --ulysses-size 8", TOTAL)],
-    ),
-    ("recipes/README.md", "| 1 x 16 | 472 | {} GiB |", [(f"{LLAMA} {LORA_16} --cp 16", TOTAL)]),
-    (
-        "recipes/README.md",
-        "| **484** | **{} GiB** |",
-        [(f"{LLAMA} {LORA_16} --cp 16 --ulysses-size 8", TOTAL)],
-    ),
-    (
-        "recipes/README.md",
-        "| 481 / 484 | {} / {} GiB |",
+        "| {} / {} | {} / {} GiB |",
         [
+            (f"{LLAMA} {TWO_NODES} --zero 3 --cp 8 --time", timed(1, 8)),
+            (f"{LLAMA} {TWO_NODES} --zero 3 --cp 16 --time", timed(8, 2)),
             (f"{LLAMA} {TWO_NODES} --zero 3 --cp 8", TOTAL),
             (f"{LLAMA} {TWO_NODES} --zero 3 --cp 16 --ulysses-size 8", TOTAL),
         ],
     ),
-    ("recipes/README.md", "| **2770** | {} GiB |", [(f"{LLAMA} {Z3_64K_16} --cp 1", TOTAL)]),
-    # one figure for every split of a row: the Ulysses size does not change this plan's memory
+    (
+        "recipes/README.md",
+        "| **{}** | {} GiB |",
+        [(f"{LLAMA} {Z3_64K_16} --cp 1 --time", timed(1, 1)), (f"{LLAMA} {Z3_64K_16} --cp 1", TOTAL)],
+    ),
+    # one memory figure for every split of a row: the Ulysses size does not change this plan's memory
     *[
-        ("recipes/README.md", text, [(f"{LLAMA} {Z3_64K_16} --cp {cp} --ulysses-size {u}", TOTAL)])
-        for text, cp, sizes in (
-            ("| 2484 / 2725 | {} GiB |", 8, (1, 8)),
-            ("| 2154 / 2630 / 2555 | {} GiB |", 16, (1, 8, 16)),
+        (
+            "recipes/README.md",
+            f"| {' / '.join('{}' for _ in splits)} | {{}} GiB |",
+            [
+                *((f"{LLAMA} {Z3_64K_16} --cp {cp} --time", timed(u, cp // u)) for u in splits),
+                (f"{LLAMA} {Z3_64K_16} --cp {cp} --ulysses-size {u}", TOTAL),
+            ],
         )
-        for u in sizes
+        for cp, splits in ((8, (1, 8)), (16, (1, 8, 16)))
+        for u in splits
+    ],
+    *[
+        ("recipes/README.md", text, [(f"{LLAMA} {a} --time", q) for a, q in figs])
+        for text, figs in [
+            (
+                "(ideal attention is {} of the {} of a cp 16 LoRA step), so every split of cp 8 is within {} "
+                "and every split of cp 16 within {}",
+                [
+                    (f"{LORA_16} --cp 16", timed(8, 2, "ideal")),
+                    (f"{LORA_16} --cp 16", timed(8, 2, "step")),
+                    (f"{LORA_16} --cp 8", SPREAD),
+                    (f"{LORA_16} --cp 16", SPREAD),
+                ],
+            ),
+            (
+                "(attention kernel overhead: {} vs {} per step)",
+                [(f"{LORA_16} --cp 16", timed(u, r, "kernel")) for u, r in ((1, 16), (8, 2))],
+            ),
+            ("(the 8-rank ring's step is {} longer than 8 x 1's)", [(f"{Z3_64K_16} --cp 8", slower(1, 8))]),
+            (
+                "the hybrid 8 x 2 beats the 16-rank ring by {} (the ring's steps over 2K keys are too short "
+                "to hide its InfiniBand hops: {} exposed, and their kernels lose {} to overhead)",
+                [
+                    (f"{Z3_64K_16} --cp 16", slower(1, 16)),
+                    (f"{Z3_64K_16} --cp 16", timed(1, 16, "ring")),
+                    (f"{Z3_64K_16} --cp 16", timed(1, 16, "kernel")),
+                ],
+            ),
+            ("(its all-to-alls move {} per rank and layer at 512K)", [(f"{LORA_16} --cp 8", A2A)]),
+        ]
     ],
     (
         "recipes/README.md",
@@ -116,6 +186,11 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
             (f"{LLAMA} {LORA_16} --cp 16 --ulysses-size 8", LONGEST),
             (f"{LLAMA} {LORA_16} --cp 8", LONGEST),
         ],
+    ),
+    (
+        "README.md",
+        "| 8 x 2 hybrid {} vs ring {} per step |",
+        [(f"{LLAMA} {Z3_64K_16} --cp 16 --time", timed(u, r, "step")) for u, r in ((8, 2), (1, 16))],
     ),
     ("recipes/README.md", "fits ({} GiB with ZeRO-3)", [(f"{LLAMA} {Z3_64K_16} --cp 1", TOTAL)]),
     # "Memory (planner estimates)": Llama-3-8B and Mistral-7B-v0.1 columns.
@@ -210,6 +285,10 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
                 ],
             ),
             ("(attention projections only: ~{} GiB/rank.)", [(LORA_ATTN, TOTAL)]),
+            (
+                "(planned by the step-time model, not measured: {} vs {} per GPU;",
+                [(f"{LORA_16} --cp 16 --time", timed(8, 2)), (f"{LORA_16} --cp 8 --time", timed(1, 8))],
+            ),
             ("no ring buffers - ~{} GiB by the planner", [(LORA, gib("ring"))]),
             ("The planner's {} includes 3 GiB of overhead", [(LORA, TOTAL)]),
             ("fits without (~{} GiB)", [(LORA, TOTAL0)]),
@@ -273,6 +352,8 @@ def _output(args: str, as_json: bool) -> str:
 
 
 def _figure(args: str, quantity: Quantity) -> str:
+    if isinstance(quantity, Timed):
+        return quantity.pick(_output(args, False))
     if quantity == LONGEST:
         return f"{int(_LONGEST.search(_output(args, False)).group(1)):,}"
     plans = json.loads(_output(args, True))["plans"]
