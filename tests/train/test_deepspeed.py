@@ -4,8 +4,11 @@ train``. DeepSpeed runs on its CPU accelerator over gloo here (``pip install dee
 dev extra installs it), so the same trainer code paths run as on GPUs: parameters partitioned at
 construction (the shipped ``zero3_init_flag: true``), the engine's own gradient accumulation and
 clipping, the partitioned ``lm_head`` read by the chunked loss through its module hooks (gathered
-once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints inside ringft's
-atomic ``step-N.tmp -> step-N`` rename, and the gathered state dict at export.
+once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints, and the
+gathered state dict at export. The offload run goes through the default engine (transformers'
+Trainer with the ring mixin); the others still pin ``--engine loop`` (ringft's own loop, its
+checkpoints inside the atomic ``step-N.tmp -> step-N`` rename) until they are ported to the
+Trainer's ``checkpoint-N/global_stepN`` layout.
 
 Oracle: the same recipe on one plain process (no DeepSpeed, no ring, full-logits loss) with the
 same global batch, starting from the same saved model folder (``from_pretrained``: under
@@ -68,6 +71,7 @@ LAUNCH_TIMEOUT = 420
 # DeepSpeed's CPU ops are built once, in one process, under a timeout, into this clone's folder
 # (tests/train/launch_env.py says why: a build killed mid-way leaves a lock every launch waits on).
 DEEPSPEED_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+LOOP = ("--engine", "loop")  # runs not yet ported to the default engine's checkpoint layout
 
 
 def _launch_config(tmp_path: Path, name: str, num_processes: int) -> Path:
@@ -167,9 +171,9 @@ def references(tmp_path_factory, data_path, model_dir, moe_dir) -> Path:
         )
         lora = pretrained_recipe(root / "one-lora", data_path, model_dir, train=LORA_TRAIN, lora=LORA)
         runs = [
-            {"recipe": single},
-            {"recipe": lora, "initial_adapter": str(root / "adapter-start.safetensors")},
-            {"recipe": moe_recipe(root / "one-moe", data_path, moe_dir, dp=1, cp=1)},
+            {"recipe": single, "engine": "loop"},
+            {"recipe": lora, "initial_adapter": str(root / "adapter-start.safetensors"), "engine": "loop"},
+            {"recipe": moe_recipe(root / "one-moe", data_path, moe_dir, dp=1, cp=1), "engine": "loop"},
         ]
         results = run_distributed(train_runs, 1, runs, str(root), timeout=RUN_TIMEOUT)[0]
     finally:
@@ -217,7 +221,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
     ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")
     launch = _launch_config(tmp_path, "deepspeed_zero3.yaml", 4)
     out = tmp_path / "zero3"
-    _launch(tmp_path, launch, _zero3_recipe(out, data_path, model_dir))
+    _launch(tmp_path, launch, _zero3_recipe(out, data_path, model_dir), *LOOP)
     losses = _metric(out)
     assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL)
     # DeepSpeed's global gradient norm (what it clips with) == the one-process norm: the gradients'
@@ -234,7 +238,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
     again = tmp_path / "zero3-resumed"
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("final", "metrics.jsonl", "logs"))
     shutil.rmtree(again / "checkpoints" / "step-00000004")
-    _launch(tmp_path, launch, _zero3_recipe(again, data_path, model_dir), "--resume")
+    _launch(tmp_path, launch, _zero3_recipe(again, data_path, model_dir), "--resume", *LOOP)
     assert _metric(again) == losses[2:]  # the same operations in the same order: exact
     assert_weights_equal(final_weights(again), weights)
 
@@ -244,7 +248,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
 def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, references):
     """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
     accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
-    x grad_accum 2 == one process with micro 4. Run through ``--engine trainer`` (transformers'
+    x grad_accum 2 == one process with micro 4. Run through the default engine (transformers'
     Trainer with the ring mixin; the recipe's accumulation and clipping replace the launch
     config's)."""
     ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")
@@ -255,7 +259,7 @@ def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, r
         parallel={"cp_size": 2},
         train={"micro_batch_size": 2, "grad_accum": 2, "chunked_loss": True, **WEIGHT_DECAY},
     )
-    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw, "--engine", "trainer")
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw)
     assert _metric(tmp_path / "offload") == pytest.approx(ref_losses, rel=LOSS_RTOL)
     assert_updates_close(final_weights(tmp_path / "offload"), ref_weights, initial(model_dir), UPDATE_RTOL)
 
@@ -269,7 +273,7 @@ def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir, referenc
     raw = pretrained_recipe(
         tmp_path / "lora", data_path, model_dir, parallel={"cp_size": 2}, train=LORA_TRAIN, lora=LORA
     )
-    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 2), raw)
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 2), raw, *LOOP)
     assert _metric(tmp_path / "lora") == pytest.approx(_reference_losses(references, 1), rel=LOSS_RTOL)
     got = load_file(str(tmp_path / "lora" / "final" / "adapter_model.safetensors"))
     want = load_file(str(references / "one-lora" / "final" / "adapter_model.safetensors"))
@@ -312,7 +316,7 @@ def test_zero3_moe_router_loss_matches_one_process(tmp_path, data_path, moe_dir,
     one = references / "one-moe"
     out = tmp_path / "zero3-moe"
     raw = moe_recipe(out, data_path, moe_dir, dp=2, cp=2, gradient_checkpointing=True)
-    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 4), raw)
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 4), raw, *LOOP)
     ref = _reference_losses(references, 2)
     assert ref[0] == pytest.approx(transformers_first_step_loss(moe_dir, data_path), rel=MOE_LOSS_RTOL)
     assert _metric(out) == pytest.approx(ref, rel=MOE_LOSS_RTOL)
