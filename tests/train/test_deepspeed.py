@@ -4,11 +4,10 @@ train``. DeepSpeed runs on its CPU accelerator over gloo here (``pip install dee
 dev extra installs it), so the same trainer code paths run as on GPUs: parameters partitioned at
 construction (the shipped ``zero3_init_flag: true``), the engine's own gradient accumulation and
 clipping, the partitioned ``lm_head`` read by the chunked loss through its module hooks (gathered
-once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints, and the
-gathered state dict at export. The offload run goes through the default engine (transformers'
-Trainer with the ring mixin); the others still pin ``--engine loop`` (ringft's own loop, its
-checkpoints inside the atomic ``step-N.tmp -> step-N`` rename) until they are ported to the
-Trainer's ``checkpoint-N/global_stepN`` layout.
+once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints (the Trainer's
+``checkpoint-N/global_stepN``, complete once ``ringft_run.json`` is written), and the gathered state
+dict at export. Every run, the references too, goes through ``ringft train``'s default engine
+(transformers' Trainer with the ring mixin).
 
 Oracle: the same recipe on one plain process (no DeepSpeed, no ring, full-logits loss) with the
 same global batch, starting from the same saved model folder (``from_pretrained``: under
@@ -71,7 +70,6 @@ LAUNCH_TIMEOUT = 420
 # DeepSpeed's CPU ops are built once, in one process, under a timeout, into this clone's folder
 # (tests/train/launch_env.py says why: a build killed mid-way leaves a lock every launch waits on).
 DEEPSPEED_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
-LOOP = ("--engine", "loop")  # runs not yet ported to the default engine's checkpoint layout
 
 
 def _launch_config(tmp_path: Path, name: str, num_processes: int) -> Path:
@@ -171,9 +169,9 @@ def references(tmp_path_factory, data_path, model_dir, moe_dir) -> Path:
         )
         lora = pretrained_recipe(root / "one-lora", data_path, model_dir, train=LORA_TRAIN, lora=LORA)
         runs = [
-            {"recipe": single, "engine": "loop"},
-            {"recipe": lora, "initial_adapter": str(root / "adapter-start.safetensors"), "engine": "loop"},
-            {"recipe": moe_recipe(root / "one-moe", data_path, moe_dir, dp=1, cp=1), "engine": "loop"},
+            {"recipe": single},
+            {"recipe": lora, "initial_adapter": str(root / "adapter-start.safetensors")},
+            {"recipe": moe_recipe(root / "one-moe", data_path, moe_dir, dp=1, cp=1)},
         ]
         results = run_distributed(train_runs, 1, runs, str(root), timeout=RUN_TIMEOUT)[0]
     finally:
@@ -221,7 +219,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
     ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")
     launch = _launch_config(tmp_path, "deepspeed_zero3.yaml", 4)
     out = tmp_path / "zero3"
-    _launch(tmp_path, launch, _zero3_recipe(out, data_path, model_dir), *LOOP)
+    _launch(tmp_path, launch, _zero3_recipe(out, data_path, model_dir))
     losses = _metric(out)
     assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL)
     # DeepSpeed's global gradient norm (what it clips with) == the one-process norm: the gradients'
@@ -231,14 +229,14 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
     )
     weights = final_weights(out)
     assert_updates_close(weights, ref_weights, initial(model_dir), UPDATE_RTOL)
-    step2 = out / "checkpoints" / "step-00000002"
-    assert (step2 / "pytorch_model").is_dir(), sorted(p.name for p in step2.iterdir())  # ZeRO shards
+    step2 = out / "checkpoint-2"
+    assert (step2 / "global_step2").is_dir(), sorted(p.name for p in step2.iterdir())  # ZeRO shards
 
     # Resume: keep only the step-2 checkpoint, train steps 3 and 4 again.
     again = tmp_path / "zero3-resumed"
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("final", "metrics.jsonl", "logs"))
-    shutil.rmtree(again / "checkpoints" / "step-00000004")
-    _launch(tmp_path, launch, _zero3_recipe(again, data_path, model_dir), "--resume", *LOOP)
+    shutil.rmtree(again / "checkpoint-4")
+    _launch(tmp_path, launch, _zero3_recipe(again, data_path, model_dir), "--resume")
     assert _metric(again) == losses[2:]  # the same operations in the same order: exact
     assert_weights_equal(final_weights(again), weights)
 
@@ -273,7 +271,7 @@ def test_zero3_lora_matches_one_process(tmp_path, data_path, model_dir, referenc
     raw = pretrained_recipe(
         tmp_path / "lora", data_path, model_dir, parallel={"cp_size": 2}, train=LORA_TRAIN, lora=LORA
     )
-    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 2), raw, *LOOP)
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 2), raw)
     assert _metric(tmp_path / "lora") == pytest.approx(_reference_losses(references, 1), rel=LOSS_RTOL)
     got = load_file(str(tmp_path / "lora" / "final" / "adapter_model.safetensors"))
     want = load_file(str(references / "one-lora" / "final" / "adapter_model.safetensors"))
@@ -286,7 +284,7 @@ def _zero3_layout(checkpoint: Path, world: int) -> tuple[list[int], dict[str, in
     shapes (as trained: transformers' fused experts) as numels; the run's
     ``stage3_param_persistence_threshold`` (smaller parameters stay whole on every rank between
     forwards; larger ones are gathered by their module's hooks)."""
-    folder = checkpoint / "pytorch_model"
+    folder = checkpoint
     files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"))
     assert len(files) == world, sorted(p.name for p in folder.iterdir())
     sizes = []
@@ -316,7 +314,7 @@ def test_zero3_moe_router_loss_matches_one_process(tmp_path, data_path, moe_dir,
     one = references / "one-moe"
     out = tmp_path / "zero3-moe"
     raw = moe_recipe(out, data_path, moe_dir, dp=2, cp=2, gradient_checkpointing=True)
-    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 4), raw, *LOOP)
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3.yaml", 4), raw)
     ref = _reference_losses(references, 2)
     assert ref[0] == pytest.approx(transformers_first_step_loss(moe_dir, data_path), rel=MOE_LOSS_RTOL)
     assert _metric(out) == pytest.approx(ref, rel=MOE_LOSS_RTOL)
@@ -327,7 +325,7 @@ def test_zero3_moe_router_loss_matches_one_process(tmp_path, data_path, moe_dir,
     assert_updates_close(got, want, start, MOE_UPDATE_RTOL)
     for name in expert_parameter_names(want):  # every expert and router trained
         assert not torch.equal(want[name], start[name]), name
-    sizes, numels, persist = _zero3_layout(out / "checkpoints" / "step-00000004", 4)
+    sizes, numels, persist = _zero3_layout(out / "checkpoint-4" / "global_step4", 4)
     assert sizes == [sum(-(-n // 4) for n in numels.values())] * 4, (sizes, numels)  # each cut in 4
     experts = {k: n for k, n in numels.items() if ".mlp.experts." in k}
     assert len(experts) == 2 * 2 and min(experts.values()) > persist, (experts, persist)
