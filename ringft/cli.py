@@ -31,9 +31,10 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--engine",
-        choices=("loop", "trainer"),
-        default="loop",
-        help="loop: ringft's own training loop; trainer: transformers.Trainer with RingTrainerMixin",
+        choices=("trainer", "loop"),
+        default="trainer",
+        help="trainer (default): transformers.Trainer with RingTrainerMixin, HF checkpoint-N folders; "
+        "loop: ringft's own training loop (checkpoints/step-N folders)",
     )
     args, overrides = parser.parse_known_args(argv)
     from ringft.train import TrainError, load_recipe
@@ -44,7 +45,7 @@ def _train(argv: list[str]) -> int:
         from ringft.train import train
 
         if isinstance(args.resume, str):
-            parser.error("--resume PATH needs --engine trainer (the loop resumes its newest checkpoint)")
+            parser.error("--resume PATH is not supported by --engine loop (it resumes its newest checkpoint)")
     try:
         recipe = load_recipe(args.recipe, overrides)
         train(recipe, resume=args.resume, progress=not args.no_progress)

@@ -180,3 +180,40 @@ def in_process_trainer(raw: dict) -> Iterator[Any]:
             trainer.lock.release()
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+class FrontRun:
+    """A one-process ``ringft train`` (the default engine: :mod:`ringft.train.front`) built and not
+    yet run: ``model`` (the trainer's, LoRA-wrapped if the recipe asks), :meth:`run`."""
+
+    def __init__(self, raw: dict):
+        from ringft.train import front
+
+        self.recipe = recipe_from_dict(raw)
+        self.trainer, self.folder = front.build_trainer(self.recipe, progress=False)
+        self.model = self.trainer.model
+
+    def run(self) -> Any:
+        from ringft.train import front
+
+        try:
+            return front._run(self.trainer, self.folder, self.recipe)
+        finally:
+            self.folder.release()
+
+
+@contextlib.contextmanager
+def in_process_front(raw: dict) -> Iterator[FrontRun]:
+    """:class:`FrontRun` for ``raw``; on exit its run-folder lock is released and accelerate's
+    process-global state reset, so the next trainer of the test process starts clean."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    run = None
+    try:
+        run = FrontRun(raw)
+        yield run
+    finally:
+        if run is not None:
+            run.folder.release()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -119,36 +119,99 @@ def inject_kill(trainer, spec: str, rank: int) -> None:
         raise ValueError(f"unknown kill point {spec!r}")
 
 
+def _front_kill(trainer, folder, spec: str, rank: int) -> None:
+    """:func:`inject_kill` for ``ringft train``'s default engine: ``step:N:R`` after optimizer step
+    N, ``save:N:R`` inside the save of step N (after every rank wrote ``checkpoint-N``, before its
+    ``ringft_run.json`` marks it complete)."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    point, at_step, at_rank = spec.split(":")
+    if int(at_rank) != rank:
+        return
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "step":
+
+        class Kill(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == int(at_step):
+                    die()
+
+        trainer.add_callback(Kill())
+    elif point == "save":
+        mark_complete = folder.mark_complete
+
+        def die_before_marking(path: Path, is_main: bool) -> None:
+            if Path(path).name == f"checkpoint-{int(at_step)}":
+                die()
+            mark_complete(path, is_main)
+
+        folder.mark_complete = die_before_marking
+    else:
+        raise ValueError(f"unknown kill point {spec!r}")
+
+
+def _train_front(run: dict, rank: int) -> dict:
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from ringft.train import front
+
+    recipe = recipe_from_dict(run["recipe"])
+    trainer, folder = front.build_trainer(recipe, resume=run.get("resume", False), progress=False)
+    try:
+        if run.get("kill"):
+            _front_kill(trainer, folder, run["kill"], rank)
+        if run.get("initial_adapter") and rank == 0:  # the LoRA weights a run starts from
+            start_state = get_peft_model_state_dict(trainer.model)
+            save_file(
+                {k: v.detach().clone().contiguous() for k, v in start_state.items()}, run["initial_adapter"]
+            )
+        res = front._run(trainer, folder, recipe)
+    finally:
+        folder.release()
+    return {"losses": res.losses, "start_step": folder.start_step, "steps": res.steps}
+
+
+def _train_loop(run: dict, rank: int) -> dict:
+    from ringft.train.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(run["recipe"]), resume=run.get("resume", False), progress=False)
+    if run.get("kill"):
+        inject_kill(trainer, run["kill"], rank)
+    if run.get("initial_adapter") and rank == 0:  # the LoRA weights a run starts from
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        start_state = get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.wrapped).model)
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in start_state.items()}, run["initial_adapter"]
+        )
+    start = trainer.start_step
+    res = trainer.run()
+    return {"losses": res.losses, "start_step": start, "steps": res.steps}
+
+
 def train_runs(rank: int, world: int, runs: list[dict], store_dir: str) -> list[dict]:
-    """Train each of ``runs`` in turn: ``{"recipe": raw, "resume": bool, "kill": spec|None,
-    "record": path|None, "initial_adapter": path|None}``. Returns per run the losses and the step it
-    started from.
+    """Train each of ``runs`` in turn: ``{"recipe": raw, "engine": "trainer" (default: ``ringft
+    train``'s) | "loop", "resume": bool | path, "kill": spec|None, "record": path|None,
+    "initial_adapter": path|None}``. Returns per run the losses, the step it started from and the
+    steps it ended at.
 
     ``record`` (rank 0) writes the result as JSON as soon as the run ends: a later run of the same
     call may be one that is meant to die, and then nothing is returned.
     """
-    from ringft.train.loop import Trainer
-
     one_thread()
     results = []
     for i, run in enumerate(runs):
         if i:
             fresh_group(store_dir, i, rank, world)
-        recipe = recipe_from_dict(run["recipe"])
-        trainer = Trainer(recipe, resume=run.get("resume", False), progress=False)
-        if run.get("kill"):
-            inject_kill(trainer, run["kill"], rank)
-        if run.get("initial_adapter") and rank == 0:  # the LoRA weights a run starts from
-            from peft import get_peft_model_state_dict
-            from safetensors.torch import save_file
-
-            start_state = get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.wrapped).model)
-            save_file(
-                {k: v.detach().clone().contiguous() for k, v in start_state.items()}, run["initial_adapter"]
-            )
-        start = trainer.start_step
-        res = trainer.run()
-        out = {"losses": res.losses, "start_step": start, "steps": res.steps}
+        train = _train_loop if run.get("engine", "trainer") == "loop" else _train_front
+        out = train(run, rank)
         if run.get("record") and rank == 0:
             Path(run["record"]).write_text(json.dumps(out))
         results.append(out)

@@ -101,6 +101,13 @@ class RunFolder:
         }
 
     def _choose(self, resume: bool | str) -> tuple[Path | None, list[str]]:
+        loop_steps = sorted((self.out / "checkpoints").glob("step-*"))
+        if loop_steps:
+            raise RecipeError(
+                f"checkpoint.output_dir {str(self.out)!r} holds checkpoints of ringft's own loop "
+                f"({loop_steps[-1].relative_to(self.out)}): continue that run with --engine loop --resume, "
+                "or choose another checkpoint.output_dir for a run of the default engine"
+            )
         if not resume:
             existing = checkpoint_folders(self.out)
             if existing:

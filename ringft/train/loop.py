@@ -88,7 +88,7 @@ def _refuse_trainer_only(recipe: Recipe) -> None:
         if on
     ]
     if asked:
-        raise RecipeError(f"{', '.join(asked)}: run with `ringft train --engine trainer`")
+        raise RecipeError(f"{', '.join(asked)}: only the default engine runs them (drop --engine loop)")
 
 
 class Trainer:

@@ -4,8 +4,10 @@ train``. DeepSpeed runs on its CPU accelerator over gloo here (``pip install dee
 dev extra installs it), so the same trainer code paths run as on GPUs: parameters partitioned at
 construction (the shipped ``zero3_init_flag: true``), the engine's own gradient accumulation and
 clipping, the partitioned ``lm_head`` read by the chunked loss through its module hooks (gathered
-once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints inside ringft's
-atomic ``step-N.tmp -> step-N`` rename, and the gathered state dict at export.
+once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints (the Trainer's
+``checkpoint-N/global_stepN``, complete once ``ringft_run.json`` is written), and the gathered state
+dict at export. Every run, the references too, goes through ``ringft train``'s default engine
+(transformers' Trainer with the ring mixin).
 
 Oracle: the same recipe on one plain process (no DeepSpeed, no ring, full-logits loss) with the
 same global batch, starting from the same saved model folder (``from_pretrained``: under
@@ -227,13 +229,13 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
     )
     weights = final_weights(out)
     assert_updates_close(weights, ref_weights, initial(model_dir), UPDATE_RTOL)
-    step2 = out / "checkpoints" / "step-00000002"
-    assert (step2 / "pytorch_model").is_dir(), sorted(p.name for p in step2.iterdir())  # ZeRO shards
+    step2 = out / "checkpoint-2"
+    assert (step2 / "global_step2").is_dir(), sorted(p.name for p in step2.iterdir())  # ZeRO shards
 
     # Resume: keep only the step-2 checkpoint, train steps 3 and 4 again.
     again = tmp_path / "zero3-resumed"
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("final", "metrics.jsonl", "logs"))
-    shutil.rmtree(again / "checkpoints" / "step-00000004")
+    shutil.rmtree(again / "checkpoint-4")
     _launch(tmp_path, launch, _zero3_recipe(again, data_path, model_dir), "--resume")
     assert _metric(again) == losses[2:]  # the same operations in the same order: exact
     assert_weights_equal(final_weights(again), weights)
@@ -244,7 +246,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
 def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, references):
     """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
     accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
-    x grad_accum 2 == one process with micro 4. Run through ``--engine trainer`` (transformers'
+    x grad_accum 2 == one process with micro 4. Run through the default engine (transformers'
     Trainer with the ring mixin; the recipe's accumulation and clipping replace the launch
     config's)."""
     ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")
@@ -255,7 +257,7 @@ def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, r
         parallel={"cp_size": 2},
         train={"micro_batch_size": 2, "grad_accum": 2, "chunked_loss": True, **WEIGHT_DECAY},
     )
-    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw, "--engine", "trainer")
+    _launch(tmp_path, _launch_config(tmp_path, "deepspeed_zero3_offload.yaml", 2), raw)
     assert _metric(tmp_path / "offload") == pytest.approx(ref_losses, rel=LOSS_RTOL)
     assert_updates_close(final_weights(tmp_path / "offload"), ref_weights, initial(model_dir), UPDATE_RTOL)
 
@@ -282,7 +284,7 @@ def _zero3_layout(checkpoint: Path, world: int) -> tuple[list[int], dict[str, in
     shapes (as trained: transformers' fused experts) as numels; the run's
     ``stage3_param_persistence_threshold`` (smaller parameters stay whole on every rank between
     forwards; larger ones are gathered by their module's hooks)."""
-    folder = checkpoint / "pytorch_model"
+    folder = checkpoint
     files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"))
     assert len(files) == world, sorted(p.name for p in folder.iterdir())
     sizes = []
@@ -323,7 +325,7 @@ def test_zero3_moe_router_loss_matches_one_process(tmp_path, data_path, moe_dir,
     assert_updates_close(got, want, start, MOE_UPDATE_RTOL)
     for name in expert_parameter_names(want):  # every expert and router trained
         assert not torch.equal(want[name], start[name]), name
-    sizes, numels, persist = _zero3_layout(out / "checkpoints" / "step-00000004", 4)
+    sizes, numels, persist = _zero3_layout(out / "checkpoint-4" / "global_step4", 4)
     assert sizes == [sum(-(-n // 4) for n in numels.values())] * 4, (sizes, numels)  # each cut in 4
     experts = {k: n for k, n in numels.items() if ".mlp.experts." in k}
     assert len(experts) == 2 * 2 and min(experts.values()) > persist, (experts, persist)

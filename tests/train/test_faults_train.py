@@ -61,6 +61,7 @@ def _listing(root: Path) -> list[tuple[str, int, int]]:
 def _fake_checkpoint(
     out: Path, step: int, recipe: dict, files: dict[str, int] | None = None, state=True
 ) -> Path:
+    """A loop checkpoint (``checkpoints/step-N``; ``state``: its trainer_state.json written)."""
     folder = out / "checkpoints" / f"step-{step:08d}"
     folder.mkdir(parents=True)
     for name, size in (files or {}).items():
@@ -72,6 +73,19 @@ def _fake_checkpoint(
     return folder
 
 
+def _fake_hf_checkpoint(out: Path, step: int, recipe: dict, complete: bool = True) -> Path:
+    """A ``ringft train`` (Trainer) checkpoint ``checkpoint-N``; ``complete``: its ringft_run.json
+    written (what every rank's finished save leads to)."""
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    if complete:
+        (folder / "ringft_run.json").write_text(
+            json.dumps({"step": step, "recipe": recipe, "world_size": 2, "dp_size": 2})
+        )
+    return folder
+
+
 # ---------------------------------------------------------------------------------------------
 # the worker (module level: run_distributed imports this module in each rank)
 # ---------------------------------------------------------------------------------------------
@@ -79,18 +93,18 @@ def _fake_checkpoint(
 
 def _run_bad_input(case: dict) -> dict:
     from ringft import cli
-    from ringft.train import loop
+    from ringft.train import front
 
     def tripwire(*_args, **_kwargs):
         raise AssertionError("the model was loaded before the bad input was refused")
 
-    real, loop.build_model = loop.build_model, tripwire
+    real, front.build_model = front.build_model, tripwire
     err, out = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             rc = cli.main(["train", case["recipe"], "--no-progress", *case.get("args", [])])
     finally:
-        loop.build_model = real
+        front.build_model = real
     return {"rc": rc, "stderr": err.getvalue()}
 
 
@@ -216,40 +230,35 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
         ["model.sliding_window=32", "has no sliding-window attention", "sliding_window: keep"],
     )
 
-    # checkpoints already there: resume cases and a fresh start over them
+    # checkpoints already there (the Trainer's checkpoint-N folders): resume cases, a fresh start
     base = recipe("ckpt")
     incomplete = tmp_path / "incomplete"
-    _fake_checkpoint(incomplete, 2, base, state=False)
-    _fake_checkpoint(incomplete, 4, base, files={"model.safetensors": 10}, state=False)
+    _fake_hf_checkpoint(incomplete, 2, base, complete=False)
+    _fake_hf_checkpoint(incomplete, 4, base, complete=False)
     bad(
         "incomplete",
         recipe("incomplete"),
-        [
-            "no checkpoint",
-            "is complete",
-            "step-00000002 lacks trainer_state.json",
-            "step-00000004 lacks trainer_state.json",
-        ],
+        ["no checkpoint", "is complete", "none holds ringft_run.json: cut off mid-save"],
         ["--resume"],
         True,
     )
     damaged = tmp_path / "damaged"
-    _fake_checkpoint(damaged, 2, {**base, "checkpoint": {**base["checkpoint"], "output_dir": str(damaged)}})
-    (_fake_checkpoint(damaged, 4, base, files={"model.safetensors": 10}) / "model.safetensors").unlink()
+    _fake_hf_checkpoint(damaged, 2, recipe_from_dict(recipe("damaged")).to_dict())
+    _fake_hf_checkpoint(damaged, 4, base, complete=False)
     bad(
         "damaged",
         recipe("damaged"),
         [
-            "step-00000004 is damaged",
-            "lacks model.safetensors",
+            "checkpoint-4 is damaged",
+            "lacks ringft_run.json",
             "newest complete one is",
-            "step-00000002 (step 2)",
+            "checkpoint-2 (step 2)",
         ],
         ["--resume"],
         True,
     )
     changed = tmp_path / "changed"
-    _fake_checkpoint(changed, 2, recipe_from_dict(recipe("changed", data={"seq_len": 32})).to_dict())
+    _fake_hf_checkpoint(changed, 2, recipe_from_dict(recipe("changed", data={"seq_len": 32})).to_dict())
     bad(
         "changed",
         recipe("changed"),
@@ -257,7 +266,18 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
         ["--resume"],
         True,
     )
+    gone = str(tmp_path / "changed" / "checkpoint-9")
+    bad(
+        "resume_path",
+        recipe("changed"),
+        ["--resume", "checkpoint-9", "not a complete"],
+        ["--resume", gone],
+        True,
+    )
     bad("fresh_over", recipe("changed"), ["already holds checkpoints", "pass --resume"], [], True)
+    loop_run = tmp_path / "loop_run"
+    _fake_checkpoint(loop_run, 2, recipe_from_dict(recipe("loop_run")).to_dict())
+    bad("loop_run", recipe("loop_run"), ["checkpoints/step-00000002", "--engine loop"], ["--resume"], True)
     held = tmp_path / "held"
     held.mkdir()
     bad("held", recipe("held"), ["is in use by another ringft run"], [], True)

@@ -1,5 +1,6 @@
 """``lora.adapter_dtype``: fp32 adapters (peft's default) or adapters in the model's dtype with fp32
-master weights, on a bf16 model. The fp32-adapter run is the reference (peft's own default path)."""
+master weights, on a bf16 model, trained by ``ringft train``'s default engine (transformers'
+Trainer with the ring mixin). The fp32-adapter run is the reference (peft's own default path)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import math
 import pytest
 import torch
 
-from tests.tiny_training import final_weights, in_process_trainer, tiny_recipe
+from tests.tiny_training import final_weights, in_process_front, tiny_recipe
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _train(raw: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[torch.dtype]]:
     """(initial adapter weights, exported adapter weights, the adapters' dtypes) of one run."""
-    with in_process_trainer(raw) as trainer:
+    with in_process_front(raw) as trainer:
         state = trainer.model.state_dict()
         adapters = {k.replace(".default", ""): v for k, v in state.items() if "lora_" in k}
         initial = {k: v.detach().float().clone() for k, v in adapters.items()}
@@ -77,7 +78,7 @@ def _saved_fp32_bytes(raw: dict, tokens: int) -> int:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with in_process_trainer(raw) as trainer:
+    with in_process_front(raw) as trainer:
         ids = torch.randint(3, 200, (1, tokens))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             trainer.model(input_ids=ids, position_ids=torch.arange(tokens)[None])

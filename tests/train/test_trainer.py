@@ -1,5 +1,6 @@
-"""ringft.train end to end on gloo CPU processes: DP x CP equivalence, gradient accumulation,
-kill-and-resume (also mid-save), the document-offsets check at load, LoRA export.
+"""``ringft train`` (its default engine: transformers' Trainer with the ring mixin,
+:mod:`ringft.train.front`) end to end on gloo CPU processes: DP x CP equivalence, gradient
+accumulation, kill-and-resume (also mid-save), the document-offsets check at load, LoRA export.
 
 The tiny training (model, random-token data, recipe) and its tolerances LOSS_RTOL / UPDATE_RTOL,
 derived from eps32 x the reduction lengths x steps, are described in tests/tiny_training.py; the
@@ -42,21 +43,24 @@ from tests.workers import fresh_group, one_thread, train_runs
 def _lora_worker(rank: int, world: int, raw: dict) -> dict:
     from peft import PeftModel
 
+    from ringft.train import front
     from ringft.train.build import build_model
-    from ringft.train.loop import Trainer
 
     one_thread()
     recipe = recipe_from_dict(raw)
-    trainer = Trainer(recipe, progress=False)
-    res = trainer.run()
+    trainer, folder = front.build_trainer(recipe, progress=False)
+    try:
+        res = front._run(trainer, folder, recipe)
+    finally:
+        folder.release()
     out: dict = {"losses": res.losses}
     if rank != 0:
         return out
-    trained = trainer.accelerator.unwrap_model(trainer.wrapped).model
+    trained = trainer.accelerator.unwrap_model(trainer.model)
     lora_trained = {k: v.detach().clone() for k, v in trained.named_parameters() if "lora_" in k}
     out["trainable"] = sorted(k for k, v in trained.named_parameters() if v.requires_grad)
     # The frozen base weights did not move: compare with a freshly built (same seed) base model.
-    base = build_model(recipe, vocab_size=len(trainer.tokenizer))
+    base = build_model(recipe, vocab_size=len(trainer.processing_class))
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     trained_base = {
         k.replace(".base_layer", ""): v
@@ -345,14 +349,21 @@ def _expect_killed(runs: list[dict], store_dir: Path, rank: int) -> None:
     assert f"rank(s) [{rank}]" in msg and "[-9]" in msg, msg  # died of the SIGKILL, not of a bug
 
 
+def _complete(output_dir: Path) -> list[str]:
+    """The checkpoints ``--resume`` may continue from: ``checkpoint-N`` holding ``ringft_run.json``."""
+    from ringft.train.front_runs import RUN_FILE, checkpoint_folders
+
+    return [p.name for p in checkpoint_folders(output_dir) if (p / RUN_FILE).is_file()]
+
+
 @pytest.mark.numerics
 @pytest.mark.timeout(420)
 def test_kill_and_resume(tmp_path, data_path):
     """A: 6 steps, save every 2 (world 2, cp 2). B: rank 1 SIGKILLs itself after step 3; --resume
-    starts from step 2 and ends equal to A. C: rank 0 dies inside the save of step 4 (after the
-    state is written, before the rename): the half-written ``.tmp`` is never a checkpoint, resume
-    starts from step 2 and ends equal to A."""
-    from ringft.train.checkpoint import complete_checkpoints
+    starts from step 2 (mid-epoch) and ends equal to A. C: rank 0 dies inside the save of step 4
+    (after every rank wrote ``checkpoint-4``, before ``ringft_run.json`` marks it complete): the
+    half-finished folder is never a checkpoint (``--resume`` names it damaged: tests/train/
+    test_faults_train.py); ``--resume C/checkpoint-2`` ends equal to A."""
 
     def recipe(name):
         return tiny_recipe(
@@ -372,12 +383,8 @@ def test_kill_and_resume(tmp_path, data_path):
     )
     a = json.loads(record_a.read_text())
     assert len(a["losses"]) == 6
-    assert [p.name for p in complete_checkpoints(tmp_path / "A")] == [
-        "step-00000002",
-        "step-00000004",
-        "step-00000006",
-    ]
-    assert [p.name for p in complete_checkpoints(tmp_path / "B")] == ["step-00000002"]
+    assert _complete(tmp_path / "A") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert _complete(tmp_path / "B") == ["checkpoint-2"]
     assert not (tmp_path / "B" / "final").exists()
 
     # Call 2 (fresh processes): B resumes; then C from scratch dies in the middle of saving step 4.
@@ -399,27 +406,22 @@ def test_kill_and_resume(tmp_path, data_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in rows] == a["losses"]
 
-    ckpt_root = tmp_path / "C" / "checkpoints"
-    assert (ckpt_root / "step-00000004.tmp").is_dir()
-    assert any((ckpt_root / "step-00000004.tmp").iterdir())  # accelerate's state was written
-    assert [p.name for p in complete_checkpoints(tmp_path / "C")] == ["step-00000002"]
+    cut = tmp_path / "C" / "checkpoint-4"
+    assert cut.is_dir() and any(cut.iterdir())  # every rank's state was written
+    assert _complete(tmp_path / "C") == ["checkpoint-2"]
 
-    # Call 3 (fresh processes): C resumes from step 2, not from the half-written step 4.
+    # Call 3 (fresh processes): C resumes from checkpoint-2, not from the half-finished step 4.
     (c,) = run_distributed(
         train_runs,
         2,
-        [{"recipe": recipe("C"), "resume": True}],
+        [{"recipe": recipe("C"), "resume": str(tmp_path / "C" / "checkpoint-2")}],
         str(tmp_path / "call3"),
         timeout=RUN_TIMEOUT,
     )[0]
     assert c["start_step"] == 2
     assert c["losses"] == a["losses"][2:]
     assert_weights_equal(final_weights(tmp_path / "C"), final_weights(tmp_path / "A"))
-    assert [p.name for p in complete_checkpoints(tmp_path / "C")] == [
-        "step-00000002",
-        "step-00000004",
-        "step-00000006",
-    ]
+    assert _complete(tmp_path / "C") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
 
 def test_document_masking_checks_the_offsets_at_load(tmp_path, packed_data_path):
