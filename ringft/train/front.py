@@ -52,7 +52,6 @@ def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False
     from transformers import TrainingArguments
 
     t, c, lg = recipe.train, recipe.checkpoint, recipe.logging
-    final_only = c.save_every == 0 and c.save_final
     evaluation = (
         {"eval_strategy": "steps", "eval_steps": t.eval_every, "prediction_loss_only": True}
         if t.eval_every
@@ -80,7 +79,7 @@ def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False
         activation_checkpointing_kwargs={"use_reentrant": False},
         logging_strategy="steps",
         logging_steps=lg.log_every,
-        save_strategy="steps" if (c.save_every or final_only) else "no",
+        save_strategy="steps" if c.save_every else "no",  # 0: no checkpoints (the export is apart)
         save_steps=c.save_every or t.max_steps,
         save_total_limit=None,  # RunFolder.mark_complete rotates, once a new checkpoint is complete
         report_to=_report_to(lg.tracker),
