@@ -101,6 +101,17 @@ def _is_own_loop(block: Block) -> bool:
     return block.page == "README.md" and "apply_ring_attention" in code and "loss_normalization" in code
 
 
+# An orderly end of a torchrun example: the process group destroyed before the interpreter exits
+# (otherwise gloo's threads can still be joinable at exit, and the C++ runtime aborts the finished
+# process now and then with "terminate called without an active exception").
+TEARDOWN = """
+import torch.distributed as _dist
+
+if _dist.is_initialized():
+    _dist.destroy_process_group()
+"""
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -149,7 +160,8 @@ def test_every_fence_names_its_language():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
 def test_doc_example_runs(block, tiny_model_dir, tmp_path):
-    code = block.code + (EPILOGUE if _is_own_loop(block) else "")
+    distributed = _is_distributed(block)
+    code = block.code + (EPILOGUE if _is_own_loop(block) else "") + (TEARDOWN if distributed else "")
     script = tmp_path / "example.py"
     script.write_text(code)
     env = dict(
@@ -160,7 +172,6 @@ def test_doc_example_runs(block, tiny_model_dir, tmp_path):
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(REPO),
     )
-    distributed = _is_distributed(block)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if distributed else []
     proc = subprocess.run(
         [sys.executable, *launcher, str(script)],
