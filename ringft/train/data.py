@@ -271,6 +271,11 @@ def load_training_data(recipe: Recipe, tokenizer: Any, vocab_size: int) -> Train
     return check_rows(ds, recipe, vocab_size, "data.synthetic")
 
 
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The recipe's shuffled order of ``n`` examples in ``epoch``: ``(n,)`` int64, the same on every rank."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+
+
 def example_indices(step: int, micro: int, layout: ParallelLayout, recipe: Recipe, n: int) -> list[int]:
     """Deterministic data order: examples of replica ``dp_rank`` for (optimizer step, micro-step).
 
@@ -285,8 +290,7 @@ def example_indices(step: int, micro: int, layout: ParallelLayout, recipe: Recip
     for pos in range(start, start + t.micro_batch_size):
         epoch, offset = divmod(pos, n)
         if recipe.data.shuffle:
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(t.seed * 100003 + epoch))
-            out.append(int(perm[offset]))
+            out.append(int(epoch_permutation(n, t.seed, epoch)[offset]))
         else:
             out.append(offset)
     return out

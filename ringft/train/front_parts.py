@@ -18,6 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 from ringft.data.collator import RingDataCollator
+from ringft.train.data import epoch_permutation
 from ringft.train.recipe import Recipe
 from ringft.train.run_dir import MetricsFile
 from ringft.train.schedule import peak_memory_gb
@@ -39,8 +40,8 @@ class RecipeDataset(torch.utils.data.Dataset):
 
 
 class RecipeSampler(torch.utils.data.Sampler):
-    """The recipe's data order: epoch ``e`` reads ``randperm(n, seed * 100003 + e)`` (or ``0..n-1``
-    without shuffling); the trainer calls :meth:`set_epoch` at the start of every epoch."""
+    """The recipe's data order: epoch ``e`` reads :func:`ringft.train.data.epoch_permutation` (or
+    ``0..n-1`` without shuffling); the trainer calls :meth:`set_epoch` at the start of every epoch."""
 
     def __init__(self, n: int, seed: int, shuffle: bool):
         self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
@@ -54,8 +55,7 @@ class RecipeSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[int]:
         if not self.shuffle:
             return iter(range(self.n))
-        gen = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=gen).tolist())
+        return iter(epoch_permutation(self.n, self.seed, self.epoch).tolist())
 
 
 def whole_batch_collator(recipe: Recipe, pad_token_id: int) -> Callable[[list[dict]], dict[str, Any]]:
