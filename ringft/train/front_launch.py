@@ -22,7 +22,13 @@ import torch
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
 
-__all__ = ["launch_kind", "launch_precision", "model_construction", "prepare_launch"]
+__all__ = [
+    "check_master_precision",
+    "launch_kind",
+    "launch_precision",
+    "model_construction",
+    "prepare_launch",
+]
 
 
 def _launched_with(name: str) -> bool:
@@ -37,6 +43,17 @@ def launch_kind() -> str:
 def launch_precision() -> str:
     """The launch config's ``mixed_precision`` (``no`` when not launched)."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+def check_master_precision(kind: str, mixed_precision: str, recipe: Recipe) -> None:
+    """bf16 weights under DeepSpeed / FSDP (``kind``) need the launch's ``mixed_precision: bf16``:
+    only then do they keep fp32 master weights (under DDP ringft keeps them itself)."""
+    if kind != "ddp" and recipe.model.dtype == "bf16" and mixed_precision != "bf16":
+        raise RecipeError(
+            f"model.dtype bf16 under {kind} with the launch config's mixed_precision {mixed_precision!r} "
+            "trains bf16 weights without fp32 master weights (small updates are lost): set "
+            "mixed_precision: bf16 in the launch config, or model.dtype fp32"
+        )
 
 
 def prepare_launch(recipe: Recipe, is_main: bool) -> dict[str, Any]:
@@ -55,12 +72,7 @@ def prepare_launch(recipe: Recipe, is_main: bool) -> dict[str, Any]:
             "partitioned weight in hooks of its own forward call, which a tile's recompute bypasses; "
             "drop train.tiled_norm_tokens, or launch with an FSDP or DDP config"
         )
-    if kind != "ddp" and recipe.model.dtype == "bf16" and mixed != "bf16":
-        raise RecipeError(
-            f"model.dtype bf16 under {kind} with the launch config's mixed_precision {mixed!r} trains bf16 "
-            "weights without fp32 master weights (small updates are lost): set mixed_precision: bf16 in "
-            "the launch config, or model.dtype fp32"
-        )
+    check_master_precision(kind, mixed, recipe)
     if kind == "deepspeed":
         t = recipe.train
         given = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ringft.loss.module import CausalLMLoss
 from ringft.loss.normalization import LossNormalization
 from ringft.train.errors import RecipeError
+from ringft.train.front_launch import check_master_precision
 from ringft.train.recipe import Recipe
 
 __all__ = [
@@ -103,13 +104,7 @@ def distributed_kind(accelerator: Any) -> str:
 def check_precision(kind: str, accelerator: Any, recipe: Recipe) -> None:
     """bf16 weights under DeepSpeed / FSDP need the launch's ``mixed_precision: bf16``: only then do
     they keep fp32 master weights (under DDP ringft keeps them itself, ``master_weights.py``)."""
-    if kind == DDP or recipe.model.dtype != "bf16" or accelerator.mixed_precision == "bf16":
-        return
-    raise RecipeError(
-        f"model.dtype bf16 under {kind} with the launch config's mixed_precision "
-        f"{accelerator.mixed_precision!r} trains bf16 weights without fp32 master weights (small updates are "
-        "lost): set mixed_precision: bf16 in the launch config, or model.dtype fp32"
-    )
+    check_master_precision(kind, accelerator.mixed_precision, recipe)
 
 
 def configure_fsdp_precision(accelerator: Any) -> str | None:
