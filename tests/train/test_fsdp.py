@@ -134,7 +134,7 @@ def _bf16_policy(version: int):
 
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from ringft.train.integrations import configure_fsdp_precision
+    from ringft.train.hf.precision import configure_fsdp_precision
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
     plugin.set_mixed_precision("bf16")
@@ -305,7 +305,7 @@ def test_fsdp_precision_policy_reduces_in_fp32_and_keeps_buffers():
 
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from ringft.train.integrations import configure_fsdp_precision
+    from ringft.train.hf.precision import configure_fsdp_precision
 
     for version in (1, 2):
         policy = _bf16_policy(version)

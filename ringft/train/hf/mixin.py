@@ -46,9 +46,9 @@ from ringft.train.hf.checks import (
 )
 from ringft.train.hf.data import RingCollate, gather_over_dp, shard_loader_over_dp
 from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, predict_logits, ring_loss
+from ringft.train.hf.precision import configure_fsdp_precision
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
 from ringft.train.hf.versions import check_versions
-from ringft.train.integrations import configure_fsdp_precision
 from ringft.utils.values import as_bool, as_integer, problems
 
 __all__ = ["RingTrainerMixin"]
