@@ -237,8 +237,11 @@ class RingTrainerMixin:
             is_training=is_training,
             dataloader_key=dataloader_key,
         )
-        if self._ring is None:
-            return loader
+        return loader if self._ring is None else self._ring_loader(loader, description, is_training)
+
+    def _ring_loader(self, loader: Any, description: str, is_training: bool) -> Any:
+        """``loader`` read per DP replica, each batch sharded for this CP rank (labels kept whole
+        for evaluation)."""
         ring = self._ring
         collate = RingCollate(
             loader.collate_fn,
