@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SFT_FORMATS", "SFT_KEYS", "data_problem"]
+__all__ = ["SFT_FORMATS", "data_problem"]
 
 SFT_FORMATS = ("messages", "prompt_completion", "text")
-SFT_KEYS = ("packing", "completion_only_loss", "assistant_only_loss", "text_field")
 
 
 def _sft_keys_set(d: Any) -> list[str]:

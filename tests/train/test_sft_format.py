@@ -50,7 +50,6 @@ def sft_runs(sft_root) -> dict[str, dict]:
     for rank, res in enumerate(results):
         out.update({f"one-{k}": v for k, v in res["alone"].items()})
         out.update({(k if rank == 0 else f"{k}@1"): v for k, v in res["together"].items()})
-    print({k: round(v["seconds"], 1) for k, v in out.items()})
     return out
 
 
