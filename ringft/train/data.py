@@ -26,7 +26,7 @@ from ringft.ops.parallel import ParallelLayout
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
 
-__all__ = ["TrainingData", "example_indices", "load_training_data", "split_eval_data"]
+__all__ = ["TrainingData", "example_indices", "held_out_rows", "load_training_data", "split_eval_data"]
 
 IGNORE_INDEX = -100
 PADDING_WARN_FRACTION = 0.5  # warn when more than half of every batch would be padding
@@ -215,6 +215,20 @@ def _load_folder(path: str, key: str) -> Any:
     return ds
 
 
+def held_out_rows(recipe: Recipe, n: int) -> tuple[list[int], list[int]]:
+    """``(train rows, eval rows)`` of ``n`` rows with ``data.eval_fraction`` held out: a permutation
+    seeded by ``train.seed``, each part in the rows' order."""
+    fraction = recipe.data.eval_fraction
+    held = int(round(n * fraction))
+    if not 1 <= held < n:
+        raise RecipeError(
+            f"data.eval_fraction={fraction} of {n} rows holds out {held}: choose a fraction that "
+            "keeps at least one row on each side"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(recipe.train.seed)).tolist()
+    return sorted(order[held:]), sorted(order[:held])
+
+
 def split_eval_data(
     recipe: Recipe, data: TrainingData, vocab_size: int
 ) -> tuple[TrainingData, TrainingData | None]:
@@ -228,17 +242,8 @@ def split_eval_data(
         )
     if not d.eval_fraction:
         return data, None
-    n = len(data)
-    held = int(round(n * d.eval_fraction))
-    if not 1 <= held < n:
-        raise RecipeError(
-            f"data.eval_fraction={d.eval_fraction} of {n} rows holds out {held}: choose a fraction that "
-            "keeps at least one row on each side"
-        )
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(recipe.train.seed)).tolist()
-    train_rows, eval_rows = sorted(order[held:]), sorted(order[:held])
     parts = []
-    for rows in (train_rows, eval_rows):
+    for rows in held_out_rows(recipe, len(data)):
         parts.append(
             TrainingData(data.dataset.select(rows, keep_in_memory=True), data.seq_len, data.truncate)
         )

@@ -51,9 +51,9 @@ def number(
     return _field(default, partial(_number, lo=lo, hi=hi, gt=gt, lt=lt, optional=optional), doc)
 
 
-def boolean(default: bool, doc: str = "") -> Any:
-    """``true`` or ``false`` (not 0/1, not a string)."""
-    return _field(default, _bool, doc)
+def boolean(default: bool | None, optional: bool = False, doc: str = "") -> Any:
+    """``true`` or ``false`` (not 0/1, not a string); None allowed if ``optional``."""
+    return _field(default, partial(_optional_bool, optional=optional), doc)
 
 
 def choice(default: Any, options: Sequence[Any], doc: str = "") -> Any:
@@ -84,6 +84,10 @@ _choice = partial(values.as_choice, error=RecipeError)
 _text = partial(values.as_text, error=RecipeError)
 _names = partial(values.as_names, error=RecipeError)
 _pair = partial(values.as_pair, error=RecipeError)
+
+
+def _optional_bool(where: str, value: Any, optional: bool) -> bool | None:
+    return None if value is None and optional else _bool(where, value)
 
 
 class Section:

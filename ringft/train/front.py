@@ -16,6 +16,7 @@ micro-step, fp32 master weights for a bf16 model under DDP, the memory options.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -36,19 +37,27 @@ from ringft.train.front_parts import (
     whole_batch_collator,
 )
 from ringft.train.front_runs import RunFolder, export_final, intact_note, push_export
+from ringft.train.front_sft import sft_arguments, sft_inputs
 from ringft.train.hf.mixin import RingTrainerMixin
 from ringft.train.recipe import Recipe, validate
 from ringft.train.schedule import TrainResult, lr_schedule, peak_memory_gb
 
-__all__ = ["RecipeTrainer", "TrainResult", "build_trainer", "train", "training_arguments"]
+__all__ = ["TrainResult", "build_trainer", "train", "training_arguments"]
 
 
 def _report_to(tracker: str | None) -> list[str]:
     return [] if tracker in (None, "none") else [tracker]
 
 
-def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False) -> Any:
-    """The ``TrainingArguments`` of a recipe (the schedule is the recipe's: :class:`RecipeTrainer`)."""
+def training_arguments(
+    recipe: Recipe,
+    progress: bool = True,
+    bf16: bool = False,
+    arguments_class: type | None = None,
+    **extra: Any,
+) -> Any:
+    """The ``TrainingArguments`` of a recipe (the schedule is the recipe's: :class:`RecipeTrainer`);
+    ``arguments_class`` (e.g. TRL's ``SFTConfig``) with ``extra`` keywords instead, if given."""
     from transformers import TrainingArguments
 
     t, c, lg = recipe.train, recipe.checkpoint, recipe.logging
@@ -62,7 +71,7 @@ def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False
         if t.num_train_epochs
         else {"max_steps": t.max_steps}
     )
-    return TrainingArguments(
+    values = dict(
         output_dir=c.output_dir,
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.micro_batch_size,
@@ -93,6 +102,7 @@ def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False
         bf16=bf16,  # the launch's mixed precision (DeepSpeed / FSDP keep fp32 masters then)
         **{**evaluation, **length},
     )
+    return (arguments_class or TrainingArguments)(**{**values, **extra})
 
 
 def _decay_names(model: torch.nn.Module) -> list[str]:
@@ -105,10 +115,11 @@ def _decay_names(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _trainer_class() -> type:
-    from transformers import Trainer
+@functools.cache
+def _trainer_class(base: type) -> type:
+    """The ring trainer over ``base`` (``Trainer``, or TRL's ``SFTTrainer`` for ``data.format``)."""
 
-    class RecipeTrainer(RingTrainerMixin, Trainer):
+    class RecipeTrainer(RingTrainerMixin, base):
         """The ring trainer with the recipe's data order, weight-decay groups and schedule."""
 
         def __init__(self, *args: Any, recipe: Recipe, **kwargs: Any):
@@ -153,42 +164,47 @@ def _trainer_class() -> type:
     return RecipeTrainer
 
 
-RecipeTrainer: Any = None  # set on first use (transformers is imported lazily)
+def _recipe_inputs(recipe: Recipe, tokenizer: Any, vocab: int) -> tuple[type, dict[str, Any], list[str]]:
+    """``(Trainer, its dataset and collator keywords, notes)`` for pre-tokenized or synthetic rows."""
+    from transformers import Trainer
+
+    data, eval_data = split_eval_data(recipe, load_training_data(recipe, tokenizer, vocab), vocab)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    datasets = dict(
+        train_dataset=RecipeDataset(data),
+        eval_dataset=None if eval_data is None else RecipeDataset(eval_data),
+        data_collator=whole_batch_collator(recipe, pad),
+    )
+    return Trainer, datasets, data.notes
 
 
 def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = True) -> tuple[Any, RunFolder]:
     """The :class:`RecipeTrainer` of ``recipe`` and its locked :class:`RunFolder` (which says what to
     resume from). ``resume``: False, True (the newest checkpoint) or a checkpoint folder."""
-    global RecipeTrainer
     launch = prepare_launch(recipe, is_main=os.environ.get("RANK", "0") == "0")
-    args = training_arguments(recipe, progress, **launch)
+    args = training_arguments(recipe, progress, **launch, **sft_arguments(recipe))
     world = args.world_size
     validate(recipe, world_size=world)
     torch.manual_seed(recipe.train.seed)
     tokenizer = build_tokenizer(recipe)
     config = model_config(recipe, len(tokenizer))
-    data, eval_data = split_eval_data(
-        recipe, load_training_data(recipe, tokenizer, config.vocab_size), config.vocab_size
-    )
-    if recipe.train.eval_every and eval_data is None:
+    inputs = sft_inputs if recipe.data.format else _recipe_inputs
+    base, datasets, notes = inputs(recipe, tokenizer, config.vocab_size)
+    if recipe.train.eval_every and datasets["eval_dataset"] is None:
         raise RecipeError("train.eval_every needs an eval split: set data.eval_path or data.eval_fraction")
     folder = RunFolder(recipe, world)
     folder.claim(resume, is_main=args.process_index == 0)
     try:
-        for note in data.notes:
+        for note in notes:
             _print_main(args, note)
         with model_construction():
             model = build_model(recipe, len(tokenizer), config)
         model = add_lora(model, recipe)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t, p = recipe.train, recipe.parallel
-        RecipeTrainer = RecipeTrainer or _trainer_class()
-        trainer = RecipeTrainer(
+        trainer = _trainer_class(base)(
             model=model,
             args=args,
-            train_dataset=RecipeDataset(data),
-            eval_dataset=None if eval_data is None else RecipeDataset(eval_data),
-            data_collator=whole_batch_collator(recipe, pad),
+            **datasets,
             processing_class=tokenizer,
             recipe=recipe,
             cp_size=p.cp_size,

@@ -22,6 +22,7 @@ from ringft.model.rope import rope_problem
 from ringft.ops.backends import BACKENDS
 from ringft.ops.sharding import ulysses_size_problem, zigzag_length_problem
 from ringft.ops.ulysses import heads_problem
+from ringft.train.data_checks import SFT_FORMATS, data_problem
 from ringft.train.errors import RecipeError
 from ringft.train.fields import Section, boolean, choice, integer, number, pair, text, text_list
 from ringft.train.overrides import apply_overrides, resolve_aliases, unknown_keys_message
@@ -135,38 +136,33 @@ class SyntheticConfig(Section):
 
 @dataclass
 class DataConfig(Section):
-    """``data``: a packed dataset folder or synthetic records, and the training length."""
+    """``data``: pre-tokenized rows (a packed dataset folder) or synthetic records, or raw SFT records
+    tokenized by TRL's SFTTrainer (``format``); and the training length. Checks: data_checks.py."""
 
     NAME = "data"
-    path: str | None = text(None, optional=True)  # a datasets save_to_disk folder with input_ids (+ labels)
+    # a datasets save_to_disk folder with input_ids (+ labels); with format also a .jsonl/.json/.parquet file
+    path: str | None = text(None, optional=True)
     synthetic: SyntheticConfig | None = None  # or synthetic line-retrieval records
     seq_len: int = integer(4096, lo=2)  # every batch is padded to this many tokens
     shuffle: bool = boolean(True)
     too_long: str = choice("fail", ("fail", "truncate", "drop"))  # rows longer than seq_len
     # attention and targets stay inside each document of a packed row (rows carry cu_seqlens)
     document_masking: bool = boolean(False)
-    eval_path: str | None = text(None, optional=True)  # an eval split (a save_to_disk folder), or:
+    eval_path: str | None = text(None, optional=True)  # an eval split (as data.path), or:
     eval_fraction: float = number(0.0, lo=0, lt=1)  # this fraction of the rows, held out (seeded)
+    # raw records through TRL's SFTTrainer: their columns (docs/recipes.md, "SFT data")
+    format: str | None = choice(None, (None, *SFT_FORMATS))
+    packing: bool = boolean(False)  # format: records packed into rows of seq_len, documents masked apart
+    completion_only_loss: bool | None = boolean(None, optional=True)  # null: TRL's (prompt_completion: on)
+    assistant_only_loss: bool = boolean(False)  # messages: loss on the assistant turns only
+    text_field: str = text("text")  # format text: the column holding the text
 
     def check(self) -> None:
         if self.synthetic is not None and not isinstance(self.synthetic, SyntheticConfig):
             self.synthetic = build_section(SyntheticConfig, self.synthetic)
-        if (self.path is None) == (self.synthetic is None):
-            raise RecipeError("set exactly one of data.path (a save_to_disk folder) or data.synthetic")
-        if self.eval_path is not None and self.eval_fraction:
-            raise RecipeError("set at most one of data.eval_path or data.eval_fraction (the eval split)")
-        if self.document_masking and self.synthetic is not None:
-            raise RecipeError(
-                "data.document_masking needs packed rows with their document offsets (data.path built by "
-                "data_prep/pack.py --document-masking); data.synthetic records are one document each: "
-                "set data.document_masking: false"
-            )
-        syn = self.synthetic
-        if syn is not None and syn.min_len is not None and syn.min_len > self.seq_len:
-            raise RecipeError(
-                f"data.synthetic.min_len={syn.min_len} is larger than data.seq_len={self.seq_len}: "
-                "lower min_len or raise seq_len"
-            )
+        problem = data_problem(self)
+        if problem:
+            raise RecipeError(problem)
 
 
 @dataclass
@@ -390,6 +386,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     if world_size is not None:
         _cp_divides_world(recipe.parallel.cp_size, world_size)
     for path in (p for p in (recipe.data.path, recipe.data.eval_path) if p is not None):
+        if recipe.data.format and not Path(path).exists():
+            raise RecipeError(
+                f"dataset {path!r} does not exist: give a .jsonl/.json/.parquet file or a folder"
+            )
         if not Path(path).exists():
             raise RecipeError(
                 f"dataset folder {path!r} does not exist: build it with data_prep/pack.py "
