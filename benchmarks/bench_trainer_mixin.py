@@ -176,7 +176,7 @@ def _run_hf(kind: str, out: Path, a: argparse.Namespace, meter: StepMeter) -> No
         seed=0,
         train_sampling_strategy="sequential",
     )
-    ring = dict(cp_size=2, ring_backend="torch", loss_chunk_size=a.loss_chunk, callbacks=[Meter()])
+    ring = dict(cp_size=2, attn_backend="torch", loss_chunk_size=a.loss_chunk, callbacks=[Meter()])
     data = _dataset(a.steps, a.seq)
     if kind == "sft":
         from trl import SFTConfig, SFTTrainer

@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 launch() {
   nice -n 10 accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml --main_process_port "$PORT" \
-    -m ringft "$@" --dtype fp32 --backend torch --no-progress
+    -m ringft "$@" --dtype fp32 --attn-backend torch --no-progress
 }
 smollm2() { python data_prep/get_smollm2.py --output "${RINGFT_CACHE:-$HOME/.cache/ringft}/smollm2-135m-instruct"; }
 pydoc_text() {  # Python's own reference documentation (pydoc_data.topics, PSF licence): ~170K tokens

@@ -23,7 +23,7 @@ rm -rf "$OUT"
 launch() { accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml -m ringft "$@"; }
 eval_lines() {  # eval_lines MODEL OUTPUT: line retrieval at L and 4L, 5 depths x 8 cases each
   launch eval-lines --model "$1" --output "$2" --prompt-style ringft --lengths 120,500 \
-    --depths 0,0.25,0.5,0.75,1 --cases 8 --max-new-tokens 8 --dtype fp32 --backend torch --no-progress
+    --depths 0,0.25,0.5,0.75,1 --cases 8 --max-new-tokens 8 --dtype fp32 --attn-backend torch --no-progress
 }
 echo "== 1/3 base model (trained at 128 tokens): line retrieval at 128 and 512 tokens"
 eval_lines "$BASE" "$OUT/eval-before"

@@ -90,7 +90,7 @@ COMMANDS = {
 
 USAGE = """usage: ringft {train,eval-lines,eval-ppl,eval-niah,eval-ruler,eval-short,eval-report,plan} ...
   train RECIPE.yaml [--resume] [--section.key value ...]
-  eval-lines --model PATH --lengths 4096,8192 --depths 0,0.5,1 [--cp N]
+  eval-lines --model PATH --lengths 4096,8192 --depths 0,0.5,1 [--cp-size N]
   eval-ppl --model PATH --text FILES --lengths 4k,8k,16k [--baseline BASE]
   eval-niah --model PATH --lengths 4k,8k --depths 0,0.5,1 [--samples 5]
   eval-ruler --model PATH --lengths 4k,8k,16k [--tasks ...] [--threshold 85.6]

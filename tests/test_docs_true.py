@@ -80,8 +80,8 @@ def test_api_md_checks_the_main_signatures():
 # Pages that list the attention backends, and the sentence each list sits in.
 BACKEND_LISTS = {
     "docs/api.md": r"Backends \(`backend=`\):(.*?)\n\n",
-    "docs/trainer.md": r"`ring_backend`[^\n]*",
-    "docs/evaluation.md": r"`--backend [^`]*`",
+    "docs/trainer.md": r"`attn_backend`[^\n]*",
+    "docs/evaluation.md": r"`--attn-backend [^`]*`",
     "docs/recipes.md": r"`attn_backend` \(.*?\)",
 }
 

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             "8",
             "--dtype",
             "fp32",
-            "--backend",
+            "--attn-backend",
             "torch",
             "--no-progress",
         ],

@@ -4,7 +4,7 @@
 # table and one figure per prompt style (python -m ringft.evals.compare). From the repo root:
 #
 #   recipes/smollm2_32k/measure.sh [extra eval-lines flags ...]
-#   NUM_GPUS=2 recipes/smollm2_32k/measure.sh --cp 2          # a ring of 2 GPUs per case
+#   NUM_GPUS=2 recipes/smollm2_32k/measure.sh --cp-size 2     # a ring of 2 GPUs per case
 #   SIDES=before recipes/smollm2_32k/measure.sh               # the base model only (before training)
 #   DRY_RUN=1 recipes/smollm2_32k/measure.sh                  # print the commands
 #

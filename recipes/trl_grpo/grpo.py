@@ -3,7 +3,7 @@
 TRL's own script shape (``TrlParser``: every ``GRPOConfig`` / ``ModelConfig`` option on the command
 line) plus the ring's options: ``--cp_size`` (ranks per ring; 1: TRL's GRPOTrainer unchanged, the
 one-process oracle the tests compare against), ``--ulysses_size`` (CP = Ulysses x ring),
-``--ring_backend``. One script for the 8-GPU node (recipes/trl_grpo/run.sh) and its CPU variant
+``--attn_backend``. One script for the 8-GPU node (recipes/trl_grpo/run.sh) and its CPU variant
 (recipes/trl_grpo/run_cpu.sh); launch it with ``accelerate launch`` (world = dp x cp).
 
 Data: ``--dataset_name`` is a hub dataset with a ``prompt`` column (and an ``answer`` column for

@@ -32,6 +32,7 @@ from ringft.evals.task import EvalTask, ModelLoader, ModelRef, Runner
 from ringft.ops import BACKENDS, dtype_from_name
 from ringft.ops.helptext import plain
 from ringft.ops.validate import PeerFailed, run_together
+from ringft.utils.options import add_option
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, task: EvalTask) -> None:
@@ -40,11 +41,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, task: EvalTask) -> Non
     parser.add_argument(
         "--tokenizer", default=None, help="default: --model; 'demo' = the shipped demo tokenizer"
     )
-    parser.add_argument("--cp", type=int, default=None, help="CP group size (default: all processes)")
+    add_option(parser, "cp_size", note="default: all processes")
     parser.add_argument("--output", default=task.default_output)
-    parser.add_argument(
-        "--backend", default="auto", choices=BACKENDS, help="attention kernels (default auto)"
-    )
+    add_option(parser, "attn_backend", default="auto", choices=BACKENDS)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--rope-theta", type=float, default=None, help="override the model's RoPE theta")
     parser.add_argument("--no-progress", action="store_true")
@@ -133,7 +132,7 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
     # and every rank finishes reading --output before the main process writes to it.
     plan = run_together(check)
     opts = plan.ctx.options
-    layout = build_layout(opts.cp or state.num_processes, device_type=state.device.type)
+    layout = build_layout(opts.cp_size or state.num_processes, device_type=state.device.type)
     main_process = state.is_main_process
     if main_process:
         for line in [plan.warning, *plan.notes]:
@@ -143,7 +142,7 @@ def run_task(task: EvalTask, args: argparse.Namespace, load_model: ModelLoader |
 
     dtype = dtype_from_name(opts.dtype, allowed=("bf16", "fp32"))
     load = load_model or load_eval_model
-    models = _Models(task.models(opts), load, dtype, state.device, layout.cp_group, opts.backend)
+    models = _Models(task.models(opts), load, dtype, state.device, layout.cp_group, opts.attn_backend)
     writer = layout.cp_rank == 0
     hide = opts.no_progress or not main_process
     for roles, group in role_groups(task, plan.cases):

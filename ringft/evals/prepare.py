@@ -23,18 +23,18 @@ from ringft.utils.values import as_number
 
 
 def check_layout(args: argparse.Namespace, processes: int, device_type: str) -> None:
-    """``--cp`` against the launched processes, ``--backend flash_attn`` against the device."""
-    if args.cp is not None:
-        check_positive("--cp", args.cp, "process per CP group")
-        if processes % args.cp:
+    """``--cp-size`` against the launched processes, ``--attn-backend flash_attn`` against the device."""
+    if args.cp_size is not None:
+        check_positive("--cp-size", args.cp_size, "process per CP group")
+        if processes % args.cp_size:
             raise EvalInputError(
-                f"--cp {args.cp} does not divide the {processes} processes: launch a multiple of "
-                f"{args.cp} processes, or choose a --cp that divides {processes}"
+                f"--cp-size {args.cp_size} does not divide the {processes} processes: launch a multiple of "
+                f"{args.cp_size} processes, or choose a --cp-size that divides {processes}"
             )
-    if args.backend == "flash_attn" and device_type != "cuda":
+    if args.attn_backend == "flash_attn" and device_type != "cuda":
         raise EvalInputError(
-            f"--backend flash_attn needs CUDA GPUs, this run is on {device_type}: "
-            "use --backend torch (or auto)"
+            f"--attn-backend flash_attn needs CUDA GPUs, this run is on {device_type}: "
+            "use --attn-backend torch (or auto)"
         )
 
 
@@ -125,8 +125,8 @@ def prepare_run(
     is written and no model weights are read. EvalInputError on the first bad input."""
     fix = "give a positive RoPE base, e.g. 1e6"
     as_number("--rope-theta", args.rope_theta, gt=0, optional=True, fix=fix, error=EvalInputError)
-    if args.cp is not None:
-        check_positive("--cp", args.cp, "process per CP group")
+    if args.cp_size is not None:
+        check_positive("--cp-size", args.cp_size, "process per CP group")
     opts = task.options(args)
     refs = task.models(opts)
     check_model_path(opts.model)

@@ -36,9 +36,9 @@ class Options:
 
     model: str
     tokenizer: str | None
-    cp: int | None
+    cp_size: int | None
     output: str
-    backend: str
+    attn_backend: str
     dtype: str
     rope_theta: float | None
     no_progress: bool

@@ -246,7 +246,7 @@ _WARNED: set[str] = set()
 _INSTANCES: dict[str, BlockAttention] = {
     b.name: b for b in (TorchBackend(), FlashAttnBackend(), CudnnBackend(), ReferenceBackend())
 }
-# Every name an ``attn_backend`` / ``ring_backend`` option accepts: "auto" and each backend's own name.
+# Every name the ``attn_backend`` option accepts: "auto" and each backend's own name.
 BACKENDS: tuple[str, ...] = ("auto", *_INSTANCES)
 
 

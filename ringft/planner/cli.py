@@ -21,6 +21,7 @@ from ringft.planner.setup import ATTENTION_CHECKPOINTS, ATTN_BACKENDS, GIB, PLAN
 from ringft.planner.shapes import DEFAULT_LORA_TARGETS, PRESETS, load_model_shape
 from ringft.planner.timing_report import add_time_arguments, hardware_from_args, time_section
 from ringft.utils import values
+from ringft.utils.options import add_option
 
 __all__ = ["plan_main"]
 
@@ -54,13 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (dp * cp)")
     p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB")
-    p.add_argument("--cp", type=int, action="append", help="CP size(s) to try (default: all divisors)")
-    p.add_argument(
-        "--ulysses-size",
-        type=int,
-        default=1,
-        help="memory plan of Ulysses x ring with this Ulysses size (parallel.ulysses_size; 1: the ring)",
-    )
+    add_option(p, "cp_size", append=True, note="repeat to compare sizes (default: every divisor of --gpus)")
+    add_option(p, "ulysses_size", default=1, note="the memory plan of this Ulysses x ring split")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-step")
     p.add_argument("--lora", action="store_true", help="LoRA instead of full fine-tuning")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -85,45 +81,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-activations", action="store_true")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--loss-chunk-size", type=values.tokens_arg, default=4096, help="tokens per logits chunk")
+    add_option(p, "loss_chunk_size", default=4096)
     p.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles of hidden-size tokens")
-    p.add_argument(
-        "--tiled-mlp-tokens",
-        type=values.tokens_arg,
-        default=None,
-        help="tokens per MLP tile (implies --tiled-mlp)",
-    )
-    p.add_argument(
-        "--tiled-norm-tokens",
-        type=values.tokens_arg,
-        default=None,
-        help="RMSNorms in tiles of this many tokens (recipe train.tiled_norm_tokens; not under DeepSpeed)",
-    )
+    add_option(p, "tiled_mlp_tokens", note="implies --tiled-mlp")
+    add_option(p, "tiled_norm_tokens")
     p.add_argument(
         "--fused-rmsnorm",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the RMSNorms' fused backward (recipe train.fused_rmsnorm, default on)",
     )
-    p.add_argument(
-        "--attention-tile-tokens",
-        type=values.tokens_arg,
-        default=None,
-        help="attention backward transients per tile of N tokens (recipe train.attention_tile_tokens)",
-    )
-    p.add_argument(
-        "--attention-checkpoint",
-        choices=ATTENTION_CHECKPOINTS,
-        default="recompute",
-        help="per layer: recompute the attention forward in the backward, save its output + lse on the GPU, "
-        "or offload them to host memory (recipe train.attention_checkpoint)",
-    )
-    p.add_argument(
-        "--attn-backend",
-        choices=BACKENDS,
+    add_option(p, "attention_tile_tokens")
+    add_option(p, "attention_checkpoint", default="recompute", choices=ATTENTION_CHECKPOINTS)
+    add_option(
+        p,
+        "attn_backend",
         default="flash_attn",
-        help="model.attn_backend; auto = its choice on Hopper (cudnn); cudnn / reference planned as torch "
-        "(K/V heads expanded)",
+        choices=BACKENDS,
+        note="auto is planned as its choice on Hopper (cudnn); cudnn / reference as torch (K/V expanded)",
     )
     p.add_argument("--overhead-gib", type=float, default=3.0, help="CUDA context, NCCL buffers, ...")
     p.add_argument("--explore-offload", action="store_true", help="also try every offload combination")
@@ -163,17 +138,21 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
     u = args.ulysses_size
     if u >= 1 and args.gpus >= 1 and args.gpus % u:
         out.append(f"--ulysses-size {u} does not divide --gpus {args.gpus}: use one of {divisors(args.gpus)}")
-    for cp in args.cp or []:
+    for cp in args.cp_size or []:
         if u >= 1 and cp >= 1 and cp % u:
-            out.append(f"--ulysses-size {u} does not divide --cp {cp}: use one of {divisors(cp)}")
+            out.append(f"--ulysses-size {u} does not divide --cp-size {cp}: use one of {divisors(cp)}")
         if cp < 1:
-            out += values.problems(partial(values.as_integer, "--cp", cp, 1))
+            out += values.problems(partial(values.as_integer, "--cp-size", cp, 1))
         elif args.gpus >= 1 and args.gpus % cp:
-            out.append(f"--cp {cp} does not divide --gpus {args.gpus}: use one of {divisors(args.gpus)}")
+            out.append(f"--cp-size {cp} does not divide --gpus {args.gpus}: use one of {divisors(args.gpus)}")
         elif args.seq_len >= 2:
-            length = zigzag_length_problem(args.seq_len, cp, f"--seq-len {args.seq_len} (--cp {cp})")
+            length = zigzag_length_problem(args.seq_len, cp, f"--seq-len {args.seq_len} (--cp-size {cp})")
             out += [length] if length else []
-    if not out and not args.cp and all(zigzag_length_problem(args.seq_len, c) for c in divisors(args.gpus)):
+    if (
+        not out
+        and not args.cp_size
+        and all(zigzag_length_problem(args.seq_len, c) for c in divisors(args.gpus))
+    ):
         out.append(
             f"--seq-len {args.seq_len} is not a multiple of 2 x cp for any CP size dividing --gpus "
             f"{args.gpus} (zigzag cuts a sequence into 2 x cp chunks): use e.g. "
@@ -300,7 +279,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         hardware_from_args(args)
         shape = load_model_shape(args.config_json or args.model)
         options = _options(args, shape.default_lora_targets)
-        layout = dict(cp_sizes=args.cp, **options)
+        layout = dict(cp_sizes=args.cp_size, **options)
         plans = plan_layouts(
             shape, args.seq_len, args.gpus, args.gpu_mem, explore_offload=args.explore_offload, **layout
         )
@@ -312,7 +291,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         return _recipe(parser, args, best, shape)
     fixes = [] if best else fixes_that_fit(shape, args.seq_len, args.gpus, args.gpu_mem, **layout)
     shown = best or min(plans, key=lambda p: p.total)
-    cps = args.cp or [shown.setup.cp_size]
+    cps = args.cp_size or [shown.setup.cp_size]
     times = time_section(shape, args.seq_len, args.gpus, cps, args) if args.time else None
     if args.json:
         data = {"plans": [p.as_dict() for p in plans], "recommended": best.as_dict() if best else None}

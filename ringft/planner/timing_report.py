@@ -8,6 +8,7 @@ from typing import Any
 
 from ringft.planner.shapes import ModelShape
 from ringft.planner.timing import Hardware, StepTime, layouts_of, step_time
+from ringft.utils.options import add_flag
 
 __all__ = [
     "add_time_arguments",
@@ -26,7 +27,14 @@ def add_time_arguments(p: argparse.ArgumentParser) -> None:
     """``ringft plan``'s step-time flags (defaults: H100 SXM nodes, see :class:`Hardware`)."""
     g = p.add_argument_group("step time (ring / Ulysses / hybrid)")
     g.add_argument("--time", action="store_true", help="predict the step time of every ulysses x ring split")
-    g.add_argument("--ulysses", type=int, action="append", help="Ulysses size(s) to compare (default: all)")
+    add_flag(
+        g,
+        "--time-ulysses-size",
+        old=("--ulysses",),
+        append=True,
+        type=int,
+        help="with --time: compare only the splits of this Ulysses size (repeat for more; default: all)",
+    )
     g.add_argument("--gpus-per-node", type=int, default=_HW.gpus_per_node)
     g.add_argument(
         "--attn-tflops",
@@ -196,9 +204,13 @@ def time_section(shape: ModelShape, seq_len: int, num_gpus: int, cps: list[int],
     )
     options["dtype_bytes"] = 4 if args.dtype == "fp32" else 2
     for cp in cps:
-        times = compare_layouts(shape, seq_len, num_gpus, cp, ulysses_sizes=args.ulysses, hw=hw, **options)
+        times = compare_layouts(
+            shape, seq_len, num_gpus, cp, ulysses_sizes=args.time_ulysses_size, hw=hw, **options
+        )
         if not times:
-            texts.append(f"cp {cp}: no Ulysses size in {args.ulysses} splits cp {cp} and {shape.heads} heads")
+            texts.append(
+                f"cp {cp}: no Ulysses size in {args.time_ulysses_size} splits cp {cp} and {shape.heads} heads"
+            )
             continue
         texts.append(
             f"step time, cp {cp} x dp {num_gpus // cp}, {num_gpus // hw.gpus_per_node or 1} node(s) of "

@@ -209,7 +209,7 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
             recipe=recipe,
             cp_size=p.cp_size,
             ulysses_size=p.ulysses_size,
-            ring_backend=recipe.model.attn_backend,
+            attn_backend=recipe.model.attn_backend,
             loss_chunk_size=t.loss_chunk_size,
             chunked_loss=t.chunked_loss,
             tiled_mlp_tokens=t.tiled_mlp_tokens,

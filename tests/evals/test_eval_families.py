@@ -81,7 +81,7 @@ def eval_runs(rank: int, world: int, models: list[str], tmp: str) -> int:
 
     for model in models:
         args = ["--model", model, "--lengths", str(LENGTH), "--depths", "0,1", "--cases", "1",
-                "--output", f"{model}-cp2", "--dtype", "fp32", "--backend", "torch", "--cp", "2",
+                "--output", f"{model}-cp2", "--dtype", "fp32", "--attn-backend", "torch", "--cp-size", "2",
                 "--no-progress", "--max-new-tokens", "4", "--prompt-style", "longchat"]  # fmt: skip
         assert main(args) == 0
     return 0

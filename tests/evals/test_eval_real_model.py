@@ -108,7 +108,7 @@ def eval_worker(rank: int, world: int, model: str, cases_file: str, out: str) ->
     from ringft.evals.lines.task import main
 
     argv = ["--model", model, "--cases-file", cases_file, "--output", out, "--dtype", "fp32"]
-    argv += ["--backend", "torch", "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress"]
+    argv += ["--attn-backend", "torch", "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress"]
     return main(argv)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from tests.tiny_models import save_tiny_model
 
-BASE = ["--dtype", "fp32", "--backend", "torch", "--no-progress"]
+BASE = ["--dtype", "fp32", "--attn-backend", "torch", "--no-progress"]
 TEXT = "The lighthouse keeper climbed the stairs at dusk and wrote the weather in her logbook. " * 12
 
 
@@ -176,8 +176,8 @@ def test_bad_inputs_one_line_before_any_model_loads(folder, monkeypatch):
             "--lengths",
             "100",
         ],
-        ("eval-ruler", "--cp 0: give at least 1 process per CP group"): [*model, "--cp", "0"],
-        ("eval-ruler", "--cp 3 does not divide the 1 processes"): [*model, "--cp", "3"],
+        ("eval-ruler", "--cp-size 0: give at least 1 process per CP group"): [*model, "--cp-size", "0"],
+        ("eval-ruler", "--cp-size 3 does not divide the 1 processes"): [*model, "--cp-size", "3"],
         # eval-short
         ("eval-short", "--length: 1 of 1 documents are shorter than 128 tokens"): [
             *model,

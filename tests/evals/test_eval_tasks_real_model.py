@@ -41,7 +41,7 @@ SHORT_LENGTH = 256
 THETA = 1e6  # eval-short's "extended" model: SmolLM2 with RoPE theta 1e5 -> 1e6
 NIAH = ("passkey,niah_single_1", "280", "0.5")
 RULER = ("niah_multikey_2,fwe", "280")
-BASE = ["--dtype", "fp32", "--backend", "torch", "--no-progress"]
+BASE = ["--dtype", "fp32", "--attn-backend", "torch", "--no-progress"]
 
 
 def with_rope_theta(model, theta: float):

@@ -17,7 +17,7 @@ import pytest
 from ringft.utils.spawn import run_distributed
 from tests.tiny_models import save_tiny_model
 
-BASE = ["--dtype", "fp32", "--backend", "torch", "--no-progress", "--prompt-style", "ringft"]
+BASE = ["--dtype", "fp32", "--attn-backend", "torch", "--no-progress", "--prompt-style", "ringft"]
 SMALL = ["--lengths", "144", "--depths", "0,1", "--cases", "1", "--max-new-tokens", "3"]
 
 
@@ -68,13 +68,17 @@ def test_bad_inputs_one_line_before_any_model_loads(saved_tiny_model, tmp_path, 
         "--lengths 50: 50 tokens cannot hold one record line": [*model, "--lengths", "50"],
         "use lengths of at least ": [*model, "--lengths", "50"],
         "--max-new-tokens 0: give at least 1 new token": [*model, "--max-new-tokens", "0"],
-        "--cp 0: give at least 1 process per CP group": [*model, "--cp", "0"],
+        "--cp-size 0: give at least 1 process per CP group": [*model, "--cp-size", "0"],
         "--rope-theta -1: give a positive RoPE base": [*model, "--rope-theta", "-1"],
         "--rope-theta nan: give a positive RoPE base": [*model, "--rope-theta", "nan"],
         "--rope-theta 1e+06: GPT2Config has no rope_parameters": [
             *["--model", str(no_rope), "--tokenizer", "demo", "--rope-theta", "1e6"]
         ],
-        "--backend flash_attn needs CUDA GPUs, this run is on cpu": [*model, "--backend", "flash_attn"],
+        "--attn-backend flash_attn needs CUDA GPUs, this run is on cpu": [
+            *model,
+            "--attn-backend",
+            "flash_attn",
+        ],
         "--model /nonexistent/model: no such model folder": ["--model", "/nonexistent/model"],
         f"--model {no_config}: the folder has no config.json": ["--model", str(no_config)],
         f"the tokenizer has {VOCAB} tokens but the model's embedding has 1000 rows": [
@@ -244,7 +248,7 @@ def failing_writer(
 ) -> list[tuple[int, str, float]]:
     """Runs where one rank's results append fails (disk full): first the CP = 2 writer (rank 0),
     then replica 1's writer with CP = 1 (DP = 2); a run past the positions of the ``short`` model;
-    a bad --cp; last the main process's summary write fails. Each: (exit code, stderr, seconds)."""
+    a bad --cp-size; last the main process's summary write fails. Each: (exit code, stderr, seconds)."""
     import ringft.evals.store as store_mod
 
     real = store_mod.ResultsStore.append
@@ -256,14 +260,14 @@ def failing_writer(
     outcome = []
     for cp, fail_rank in ((2, 0), (1, 1)):
         store_mod.ResultsStore.append = full if rank == fail_rank else real
-        argv = ["--model", model, *BASE, *SMALL, "--cases", "2", "--cp", str(cp)]
+        argv = ["--model", model, *BASE, *SMALL, "--cases", "2", "--cp-size", str(cp)]
         start = time.monotonic()
         code, err = run_main([*argv, "--output", f"{folder}-cp{cp}"])
         outcome.append((code, err, time.monotonic() - start))
     store_mod.ResultsStore.append = real
-    code, err = run_main(["--model", short, *BASE, *SMALL, "--cp", "2", "--output", f"{folder}-short"])
+    code, err = run_main(["--model", short, *BASE, *SMALL, "--cp-size", "2", "--output", f"{folder}-short"])
     outcome.append((code, err, 0.0))
-    code, err = run_main(["--model", model, *BASE, *SMALL, "--cp", "3", "--output", f"{folder}-cp3"])
+    code, err = run_main(["--model", model, *BASE, *SMALL, "--cp-size", "3", "--output", f"{folder}-cp3"])
     outcome.append((code, err, 0.0))
     # Disk full while the main process writes the summary: every rank exits 1 (old code: rank 1 0).
     import ringft.evals.lines.task as lines_mod
@@ -274,7 +278,7 @@ def failing_writer(
         raise OSError(errno.ENOSPC, "No space left on device", str(out_dir / "summary.md"))
 
     lines_mod.summarize = summary_disk_full if rank == 0 else summarize
-    argv = ["--model", model, *BASE, *SMALL, "--cp", "2", "--output", f"{folder}-summary"]
+    argv = ["--model", model, *BASE, *SMALL, "--cp-size", "2", "--output", f"{folder}-summary"]
     outcome.append(run_main(argv) + (0.0,))
     lines_mod.summarize = summarize
     return outcome
@@ -301,8 +305,8 @@ def test_io_error_on_one_rank_ends_every_rank(saved_tiny_model, tmp_path):
     (code0, err0, _), (code1, err1, _) = got[0][3], got[1][3]  # a bad input: named once, by rank 0
     assert code0 == code1 == 2 and not err1 and not (tmp_path / "out-cp3").exists()
     assert err0 == (
-        "ringft eval-lines: error: --cp 3 does not divide the 2 processes: launch a multiple of 3 "
-        "processes, or choose a --cp that divides 2\n"
+        "ringft eval-lines: error: --cp-size 3 does not divide the 2 processes: launch a multiple of 3 "
+        "processes, or choose a --cp-size that divides 2\n"
     )
     for (code0, err0, _), (code1, err1, _) in zip(got[0][:2], got[1][:2], strict=True):
         assert code0 == code1 == 1

@@ -294,7 +294,7 @@ def test_cli_runs(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "recommended layout" in out and "longest sequence that fits" in out and "LoRA r=16" in out
 
-    assert plan_main([*argv, "--zero", "3", "--offload-optimizer", "--tiled-mlp", "--cp", "8"]) == 0
+    assert plan_main([*argv, "--zero", "3", "--offload-optimizer", "--tiled-mlp", "--cp-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "offload opt" in out and "tiled MLP" in out
 
@@ -349,7 +349,7 @@ def test_cli_names_each_bad_number_and_its_fix(capsys):
         "loss_chunk_size": ("0", "--loss-chunk-size 0"),
         "tiled_mlp_tokens": ("0", "--tiled-mlp-tokens 0"),
         "overhead_gib": ("-1", "--overhead-gib -1"),
-        "cp": ("0", "--cp 0"),
+        "cp_size": ("0", "--cp-size 0"),
     }
     for key, (value, named) in cases.items():
         code, out = run(**{key: value})
@@ -358,9 +358,9 @@ def test_cli_names_each_bad_number_and_its_fix(capsys):
     assert "lora_targets is empty" in capsys.readouterr().out
     code, out = run(gpu_mem="nan")
     assert code == 2 and "--gpu-mem nan" in out
-    code, out = run(cp="3")
-    assert code == 2 and "--cp 3 does not divide --gpus 8" in out and "[1, 2, 4, 8]" in out
-    code, out = run(seq_len="65540", cp="8")
+    code, out = run(cp_size="3")
+    assert code == 2 and "--cp-size 3 does not divide --gpus 8" in out and "[1, 2, 4, 8]" in out
+    code, out = run(seq_len="65540", cp_size="8")
     assert code == 2 and "multiple of 16" in out
     code, out = run(seq_len="101", gpus="3")
     assert code == 2 and "--seq-len 101" in out and "use e.g. 102" in out

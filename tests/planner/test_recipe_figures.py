@@ -36,7 +36,7 @@ SMOLLM2_CONFIG = {
     "vocab_size": 49152,
     "tie_word_embeddings": True,
 }
-NODE = "--seq-len 524288 --gpus 8 --gpu-mem 80 --cp 8"
+NODE = "--seq-len 524288 --gpus 8 --gpu-mem 80 --cp-size 8"
 Z3 = f"{NODE} --zero 3"
 OFFLOAD = "--offload-optimizer --offload-params"
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -109,29 +109,32 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
         (
             "recipes/README.md",
             text,
-            [(f"{LLAMA} {LORA_16} --cp {cp} --time", timed(u, r)), (f"{LLAMA} {LORA_16} {mem}", TOTAL)],
+            [(f"{LLAMA} {LORA_16} --cp-size {cp} --time", timed(u, r)), (f"{LLAMA} {LORA_16} {mem}", TOTAL)],
         )
         for text, cp, u, r, mem in (
-            ("| 1 x 8 | {} | {} GiB |", 8, 1, 8, "--cp 8"),
-            ("| 8 x 1 | {} | {} GiB |", 8, 8, 1, "--cp 8 --ulysses-size 8"),
-            ("| 1 x 16 | {} | {} GiB |", 16, 1, 16, "--cp 16"),
-            ("| **{}** | **{} GiB** |", 16, 8, 2, "--cp 16 --ulysses-size 8"),
+            ("| 1 x 8 | {} | {} GiB |", 8, 1, 8, "--cp-size 8"),
+            ("| 8 x 1 | {} | {} GiB |", 8, 8, 1, "--cp-size 8 --ulysses-size 8"),
+            ("| 1 x 16 | {} | {} GiB |", 16, 1, 16, "--cp-size 16"),
+            ("| **{}** | **{} GiB** |", 16, 8, 2, "--cp-size 16 --ulysses-size 8"),
         )
     ],
     (
         "recipes/README.md",
         "| {} / {} | {} / {} GiB |",
         [
-            (f"{LLAMA} {TWO_NODES} --zero 3 --cp 8 --time", timed(1, 8)),
-            (f"{LLAMA} {TWO_NODES} --zero 3 --cp 16 --time", timed(8, 2)),
-            (f"{LLAMA} {TWO_NODES} --zero 3 --cp 8", TOTAL),
-            (f"{LLAMA} {TWO_NODES} --zero 3 --cp 16 --ulysses-size 8", TOTAL),
+            (f"{LLAMA} {TWO_NODES} --zero 3 --cp-size 8 --time", timed(1, 8)),
+            (f"{LLAMA} {TWO_NODES} --zero 3 --cp-size 16 --time", timed(8, 2)),
+            (f"{LLAMA} {TWO_NODES} --zero 3 --cp-size 8", TOTAL),
+            (f"{LLAMA} {TWO_NODES} --zero 3 --cp-size 16 --ulysses-size 8", TOTAL),
         ],
     ),
     (
         "recipes/README.md",
         "| **{}** | {} GiB |",
-        [(f"{LLAMA} {Z3_64K_16} --cp 1 --time", timed(1, 1)), (f"{LLAMA} {Z3_64K_16} --cp 1", TOTAL)],
+        [
+            (f"{LLAMA} {Z3_64K_16} --cp-size 1 --time", timed(1, 1)),
+            (f"{LLAMA} {Z3_64K_16} --cp-size 1", TOTAL),
+        ],
     ),
     # one memory figure for every split of a row: the Ulysses size does not change this plan's memory
     *[
@@ -139,8 +142,8 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
             "recipes/README.md",
             f"| {' / '.join('{}' for _ in splits)} | {{}} GiB |",
             [
-                *((f"{LLAMA} {Z3_64K_16} --cp {cp} --time", timed(u, cp // u)) for u in splits),
-                (f"{LLAMA} {Z3_64K_16} --cp {cp} --ulysses-size {u}", TOTAL),
+                *((f"{LLAMA} {Z3_64K_16} --cp-size {cp} --time", timed(u, cp // u)) for u in splits),
+                (f"{LLAMA} {Z3_64K_16} --cp-size {cp} --ulysses-size {u}", TOTAL),
             ],
         )
         for cp, splits in ((8, (1, 8)), (16, (1, 8, 16)))
@@ -153,27 +156,30 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
                 "(ideal attention is {} of the {} of a cp 16 LoRA step), so every split of cp 8 is within {} "
                 "and every split of cp 16 within {}",
                 [
-                    (f"{LORA_16} --cp 16", timed(8, 2, "ideal")),
-                    (f"{LORA_16} --cp 16", timed(8, 2, "step")),
-                    (f"{LORA_16} --cp 8", SPREAD),
-                    (f"{LORA_16} --cp 16", SPREAD),
+                    (f"{LORA_16} --cp-size 16", timed(8, 2, "ideal")),
+                    (f"{LORA_16} --cp-size 16", timed(8, 2, "step")),
+                    (f"{LORA_16} --cp-size 8", SPREAD),
+                    (f"{LORA_16} --cp-size 16", SPREAD),
                 ],
             ),
             (
                 "(attention kernel overhead: {} vs {} per step)",
-                [(f"{LORA_16} --cp 16", timed(u, r, "kernel")) for u, r in ((1, 16), (8, 2))],
+                [(f"{LORA_16} --cp-size 16", timed(u, r, "kernel")) for u, r in ((1, 16), (8, 2))],
             ),
-            ("(the 8-rank ring's step is {} longer than 8 x 1's)", [(f"{Z3_64K_16} --cp 8", slower(1, 8))]),
+            (
+                "(the 8-rank ring's step is {} longer than 8 x 1's)",
+                [(f"{Z3_64K_16} --cp-size 8", slower(1, 8))],
+            ),
             (
                 "the hybrid 8 x 2 beats the 16-rank ring by {} (the ring's steps over 2K keys are too short "
                 "to hide its InfiniBand hops: {} exposed, and their kernels lose {} to overhead)",
                 [
-                    (f"{Z3_64K_16} --cp 16", slower(1, 16)),
-                    (f"{Z3_64K_16} --cp 16", timed(1, 16, "ring")),
-                    (f"{Z3_64K_16} --cp 16", timed(1, 16, "kernel")),
+                    (f"{Z3_64K_16} --cp-size 16", slower(1, 16)),
+                    (f"{Z3_64K_16} --cp-size 16", timed(1, 16, "ring")),
+                    (f"{Z3_64K_16} --cp-size 16", timed(1, 16, "kernel")),
                 ],
             ),
-            ("(its all-to-alls move {} per rank and layer at 512K)", [(f"{LORA_16} --cp 8", A2A)]),
+            ("(its all-to-alls move {} per rank and layer at 512K)", [(f"{LORA_16} --cp-size 8", A2A)]),
         ]
     ],
     (
@@ -181,18 +187,18 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
         "{} instead of {} GiB per GPU for the LoRA stage (longest sequence that fits: {} instead of {} "
         "tokens)",
         [
-            (f"{LLAMA} {LORA_16} --cp 16 --ulysses-size 8", TOTAL),
-            (f"{LLAMA} {LORA_16} --cp 8", TOTAL),
-            (f"{LLAMA} {LORA_16} --cp 16 --ulysses-size 8", LONGEST),
-            (f"{LLAMA} {LORA_16} --cp 8", LONGEST),
+            (f"{LLAMA} {LORA_16} --cp-size 16 --ulysses-size 8", TOTAL),
+            (f"{LLAMA} {LORA_16} --cp-size 8", TOTAL),
+            (f"{LLAMA} {LORA_16} --cp-size 16 --ulysses-size 8", LONGEST),
+            (f"{LLAMA} {LORA_16} --cp-size 8", LONGEST),
         ],
     ),
     (
         "README.md",
         "| 8 x 2 hybrid {} vs ring {} per step |",
-        [(f"{LLAMA} {Z3_64K_16} --cp 16 --time", timed(u, r, "step")) for u, r in ((8, 2), (1, 16))],
+        [(f"{LLAMA} {Z3_64K_16} --cp-size 16 --time", timed(u, r, "step")) for u, r in ((8, 2), (1, 16))],
     ),
-    ("recipes/README.md", "fits ({} GiB with ZeRO-3)", [(f"{LLAMA} {Z3_64K_16} --cp 1", TOTAL)]),
+    ("recipes/README.md", "fits ({} GiB with ZeRO-3)", [(f"{LLAMA} {Z3_64K_16} --cp-size 1", TOTAL)]),
     # "Memory (planner estimates)": Llama-3-8B and Mistral-7B-v0.1 columns.
     *[
         (
@@ -212,12 +218,12 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
             (
                 "512K on 16 GPUs (2 nodes, dp 2 x cp 8), ZeRO-3",
                 "{}",
-                [("--seq-len 524288 --gpus 16 --gpu-mem 80 --cp 8 --zero 3", TOTAL)],
+                [("--seq-len 524288 --gpus 16 --gpu-mem 80 --cp-size 8 --zero 3", TOTAL)],
             ),
             (
                 "512K on 16 GPUs, ZeRO-3, `--parallel.cp_size 16 --parallel.ulysses_size 8`",
                 "{}",
-                [("--seq-len 524288 --gpus 16 --gpu-mem 80 --zero 3 --cp 16 --ulysses-size 8", TOTAL)],
+                [("--seq-len 524288 --gpus 16 --gpu-mem 80 --zero 3 --cp-size 16 --ulysses-size 8", TOTAL)],
             ),
             ("LoRA r16, all linear, no ZeRO (DDP)", "{}", [(LORA, TOTAL)]),
             ("LoRA r16, attention projections only", "{}", [(LORA_ATTN, TOTAL)]),
@@ -239,7 +245,7 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
         (f"recipes/{folder}/stage{i}_{k}.yaml", text, [(f"{model} {a}", q) for a, q in figs])
         for folder, model in (("llama3_8b_512k", LLAMA), ("mistral_7b_512k", MISTRAL))
         for i, k, s, cp in STAGES
-        for stage in [f"--seq-len {s} --gpus 8 --gpu-mem 80 --zero 3 --cp {cp}"]
+        for stage in [f"--seq-len {s} --gpus 8 --gpu-mem 80 --zero 3 --cp-size {cp}"]
         for text, figs in [
             (
                 f"~{{}} GiB/rank with ZeRO-3, no offload, per-layer checkpointing, chunked loss: "
@@ -267,12 +273,12 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
             ("the optimizer state is tiny ({} GiB/rank)", [(LORA, gib("grads+optimizer"))]),
             (
                 "{} instead of {} GiB/rank by the planner",
-                [(f"{LORA_16} --cp 16 --ulysses-size 8", TOTAL), (f"{LORA_16} --cp 8", TOTAL)],
+                [(f"{LORA_16} --cp-size 16 --ulysses-size 8", TOTAL), (f"{LORA_16} --cp-size 8", TOTAL)],
             ),
             (
                 "~{} GiB/rank (frozen base {} GiB, adapters + grads + Adam {} GiB, checkpointed activations "
                 "{} GiB, one-layer recompute {} GiB): python -m ringft plan --model llama-3-8b --seq-len "
-                f"524288 --gpus 8 --gpu-mem 80 --cp 8 --lora --lora-rank 16 --lora-targets {ALL_LINEAR}",
+                f"524288 --gpus 8 --gpu-mem 80 --cp-size 8 --lora --lora-rank 16 --lora-targets {ALL_LINEAR}",
                 [
                     (LORA, q)
                     for q in (
@@ -287,7 +293,10 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
             ("(attention projections only: ~{} GiB/rank.)", [(LORA_ATTN, TOTAL)]),
             (
                 "(planned by the step-time model, not measured: {} vs {} per GPU;",
-                [(f"{LORA_16} --cp 16 --time", timed(8, 2)), (f"{LORA_16} --cp 8 --time", timed(1, 8))],
+                [
+                    (f"{LORA_16} --cp-size 16 --time", timed(8, 2)),
+                    (f"{LORA_16} --cp-size 8 --time", timed(1, 8)),
+                ],
             ),
             ("no ring buffers - ~{} GiB by the planner", [(LORA, gib("ring"))]),
             ("The planner's {} includes 3 GiB of overhead", [(LORA, TOTAL)]),
@@ -357,7 +366,7 @@ def _figure(args: str, quantity: Quantity) -> str:
     if quantity == LONGEST:
         return f"{int(_LONGEST.search(_output(args, False)).group(1)):,}"
     plans = json.loads(_output(args, True))["plans"]
-    assert len(plans) == 1, f"ringft plan {args}: one layout expected (give --cp)"
+    assert len(plans) == 1, f"ringft plan {args}: one layout expected (give --cp-size)"
     return quantity(plans[0])
 
 

@@ -166,5 +166,5 @@ def test_plan_cli_time(capsys):
     out = capsys.readouterr().out
     assert (
         "--ulysses-size 3 does not divide --gpus 16" in out
-        and "--ulysses-size 3 does not divide --cp 16" in out
+        and "--ulysses-size 3 does not divide --cp-size 16" in out
     )

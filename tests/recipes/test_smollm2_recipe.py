@@ -139,13 +139,13 @@ def test_wrappers_launch_the_stages_and_the_measurement(tmp_path):
     from ringft.evals.lines.compare import parse_args as compare_args
     from ringft.evals.lines.task import parse_args as eval_args
 
-    commands = _dry_run("measure.sh", "--cp", "1")
+    commands = _dry_run("measure.sh", "--cp-size", "1")
     evals = [c[c.index("eval-lines") + 1 :] for c in commands if "eval-lines" in c]
     assert len(evals) == 4 and len(commands) == 6  # before/after x 2 prompt styles, 2 comparisons
     for argv in evals:
         args = eval_args(argv)  # every flag is one eval-lines knows
         assert args.lengths == "4096,8192,16384,32768" and args.depths == "0,0.25,0.5,0.75,1"
-        assert args.cp == 1 and args.prompt_style in ("ringft", "longchat")
+        assert args.cp_size == 1 and args.prompt_style in ("ringft", "longchat")
     assert [eval_args(a).model for a in evals[:2]] == [BEFORE_MODEL, "outputs/smollm2_32k/stage2_32k/final"]
     before_only = _dry_run("measure.sh", SIDES="before")  # the base model, no comparison
     assert [eval_args(c[c.index("eval-lines") + 1 :]).model for c in before_only] == [BEFORE_MODEL] * 2

@@ -218,7 +218,7 @@ def _trainer(s: dict[str, Any], tok, model) -> Any:
         average_tokens_across_devices=s["avg"],
         include_num_input_tokens_seen="non_padding",
     )
-    kwargs = dict(cp_size=s["cp"], ulysses_size=s["ulysses"], ring_backend="torch") if s["mixin"] else {}
+    kwargs = dict(cp_size=s["cp"], ulysses_size=s["ulysses"], attn_backend="torch") if s["mixin"] else {}
     if s["mixin"]:
         kwargs["attention_checkpoint"] = s["attn"]
     evals = datasets.Dataset.from_list(examples(7, 99, 10, 40, prompts=True))

@@ -108,7 +108,7 @@ def dpo_run(s: dict[str, Any]) -> dict[str, Any]:
     if s.get("metrics"):
         data["compute_metrics"] = lambda pred: {}
     if s["cp"]:
-        trainer = RingDPOTrainer(model=model, **data, cp_size=s["cp"], ring_backend="torch")
+        trainer = RingDPOTrainer(model=model, **data, cp_size=s["cp"], attn_backend="torch")
     else:
         trainer = DPOTrainer(model=model, **data)
     initial = _weights(trainer.model)
@@ -231,7 +231,7 @@ def grpo_run(s: dict[str, Any]) -> dict[str, Any]:
         GRPOTrainer._generate_single_turn = stub_completions
     try:
         if s["cp"]:
-            trainer = RingGRPOTrainer(model=model, **data, cp_size=s["cp"], ring_backend="torch")
+            trainer = RingGRPOTrainer(model=model, **data, cp_size=s["cp"], attn_backend="torch")
         else:
             trainer = GRPOTrainer(model=model, **data)
         initial = _weights(trainer.model)

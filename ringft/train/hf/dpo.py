@@ -41,7 +41,7 @@ def _dpo_problems(trainer: Any) -> list[str]:
 
 class RingDPOTrainer(RingScoringMixin, DPOTrainer):
     """TRL's ``DPOTrainer`` on the ring: the keywords of :class:`ringft.RingTrainerMixin`
-    (``cp_size``, ``ulysses_size``, ``ring_backend``, ...), every other argument TRL's."""
+    (``cp_size``, ``ulysses_size``, ``attn_backend``, ...), every other argument TRL's."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._ring_deferred: list[tuple[str, int]] | None = []

@@ -139,7 +139,7 @@ def cp_broadcast(obj: Any, layout: ParallelLayout) -> Any:
 
 class RingGRPOTrainer(RingScoringMixin, GRPOTrainer):
     """TRL's ``GRPOTrainer`` on the ring: the keywords of :class:`ringft.RingTrainerMixin`
-    (``cp_size``, ``ulysses_size``, ``ring_backend``, ...), every other argument TRL's."""
+    (``cp_size``, ``ulysses_size``, ``attn_backend``, ...), every other argument TRL's."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         cp_size = kwargs.get("cp_size", 1)

@@ -49,6 +49,7 @@ from ringft.train.hf.forward import eval_loss_sum, install_ring_loss_forward, pr
 from ringft.train.hf.precision import configure_fsdp_precision
 from ringft.train.hf.steps import exchange_step_counts, loss_scale
 from ringft.train.hf.versions import check_versions
+from ringft.utils.options import renamed_keyword
 from ringft.utils.values import as_bool, as_integer, problems
 
 __all__ = ["RingTrainerMixin"]
@@ -112,7 +113,8 @@ class RingTrainerMixin:
     - ``ulysses_size``: 2D context parallelism, ``cp_size = ulysses_size x ring_size`` (Ulysses
       all-to-alls over ``ulysses_size`` contiguous ranks, the zigzag ring across them); it must
       divide ``cp_size`` and the model's query heads. 1 (default): the zigzag ring alone.
-    - ``ring_backend``: the block kernel, one of ``ringft.ops.backends.BACKENDS`` (``"auto"`` picks).
+    - ``attn_backend``: the block kernel, one of ``ringft.ops.backends.BACKENDS``; None (default):
+      ``"auto"`` picks. ``ring_backend=``, its old name, still works (a ``FutureWarning`` once).
     - ``loss_chunk_size``: tokens per chunk of the ``lm_head`` + cross-entropy (no full logits).
     - ``tiled_mlp_tokens``: run the MLP over token tiles of this size (``ringft.model.tiled_mlp``).
     - ``offload_activations``: keep the decoder's saved activations in CPU memory.
@@ -145,7 +147,7 @@ class RingTrainerMixin:
         *args: Any,
         cp_size: int = 1,
         ulysses_size: int = 1,
-        ring_backend: str = "auto",
+        attn_backend: str | None = None,
         loss_chunk_size: int = 4096,
         tiled_mlp_tokens: int | None = None,
         offload_activations: bool = False,
@@ -158,6 +160,8 @@ class RingTrainerMixin:
         chunked_loss: bool = True,
         **kwargs: Any,
     ):
+        attn_backend = renamed_keyword(WHERE, kwargs, "attn_backend", attn_backend, default="auto")
+        self._attn_backend = attn_backend
         as_integer(f"{WHERE}: cp_size", cp_size, 1)
         as_bool(f"{WHERE}: fused_rmsnorm", fused_rmsnorm)
         as_integer(f"{WHERE}: loss_chunk_size", loss_chunk_size, 1)
@@ -188,7 +192,7 @@ class RingTrainerMixin:
         apply_ring_attention(  # Ulysses x ring: the layout's groups
             self.model,
             layout,
-            ring_backend,
+            attn_backend,
             attention_tile_tokens=attention_tile_tokens,
             attention_checkpoint=attention_checkpoint,
         )

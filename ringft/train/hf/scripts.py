@@ -5,9 +5,11 @@ run leaves for the tests and the user (the Trainer's logs, the layout it ran on,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ringft.utils.options import option_field
 
 __all__ = ["RingArguments", "write_run_files"]
 
@@ -17,13 +19,11 @@ class RingArguments:
     """ringft's flags (the keywords of :class:`~ringft.train.hf.RingTrainerMixin`); ``cp_size`` 1
     and no memory option leave TRL's trainer unchanged."""
 
-    cp_size: int = field(default=1, metadata={"help": "ranks per ring (1: TRL's trainer unchanged)"})
-    ulysses_size: int = field(default=1, metadata={"help": "CP = Ulysses x ring (1: the ring alone)"})
-    ring_backend: str = field(
-        default="auto", metadata={"help": "the block backend (ringft.ops.backends.BACKENDS)"}
-    )
-    loss_chunk_size: int = field(default=4096, metadata={"help": "tokens per lm_head + loss chunk"})
-    tiled_mlp_tokens: int | None = field(default=None, metadata={"help": "tokens per MLP tile"})
+    cp_size: int = option_field("cp_size", 1)  # 1: TRL's trainer unchanged
+    ulysses_size: int = option_field("ulysses_size", 1)
+    attn_backend: str = option_field("attn_backend", "auto")  # old flag: --ring_backend
+    loss_chunk_size: int = option_field("loss_chunk_size", 4096)
+    tiled_mlp_tokens: int | None = option_field("tiled_mlp_tokens", None)
 
     def trainer_keywords(self, memory_options: bool = True) -> dict[str, Any]:
         """The keywords a ring trainer takes, or ``{}`` when the base trainer should run as it is.
@@ -37,7 +37,7 @@ class RingArguments:
             )
         if self.cp_size <= 1 and not self.tiled_mlp_tokens:
             return {}
-        ring = dict(cp_size=self.cp_size, ulysses_size=self.ulysses_size, ring_backend=self.ring_backend)
+        ring = dict(cp_size=self.cp_size, ulysses_size=self.ulysses_size, attn_backend=self.attn_backend)
         return {**ring, **memory} if memory_options else ring
 
 

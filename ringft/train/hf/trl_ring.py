@@ -86,12 +86,11 @@ def dp_gathers(accelerator: Any, layout: ParallelLayout) -> Iterator[None]:
 class RingScoringMixin(RingTrainerMixin):
     """:class:`RingTrainerMixin` for trainers whose loss TRL computes from the fused LM head's
     per-token fields (DPO, GRPO): the same keywords (``cp_size``, ``ulysses_size``,
-    ``ring_backend``, ...); see the module docstring for what differs from SFT."""
+    ``attn_backend``, ...); see the module docstring for what differs from SFT."""
 
     _ring_keeps_trl_loss = True  # checks.py: TRL's loss_type is TRL's to run
 
     def __init__(self, *args: Any, **kwargs: Any):
-        self._ring_backend = kwargs.get("ring_backend", "auto")
         super().__init__(*args, **kwargs)
         if self._ring is None:
             return
@@ -109,7 +108,7 @@ class RingScoringMixin(RingTrainerMixin):
         from ringft.model.patch import apply_ring_attention
 
         ring = self._ring
-        apply_ring_attention(unwrap_engine(model), ring.layout, self._ring_backend)
+        apply_ring_attention(unwrap_engine(model), ring.layout, self._attn_backend)
         install_ring_fused_head(model, ring.layout, ring.pad_token_id)
 
     # -- data ------------------------------------------------------------------------------------
