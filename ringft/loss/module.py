@@ -133,16 +133,24 @@ def causal_lm_loss(
             ).last_hidden_state
         return lm_loss_from_hidden(model, hidden, shift_labels, num_items_in_batch, chunk_size=chunk_size)
     with offload:
-        out = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            labels=shift_labels,
-            shift_labels=shift_labels,
-            num_items_in_batch=num_items_in_batch,
-            use_cache=False,
-            **documents,
-        )
-    return out.loss
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **documents)
+    return _full_logits_loss(model, out.logits, shift_labels, num_items_in_batch)
+
+
+def _full_logits_loss(
+    model: nn.Module, logits: Tensor, shift_labels: Tensor, num_items_in_batch: Any
+) -> Tensor:
+    """transformers' own loss of the LM's full ``(batch, seq, vocab)`` logits (fp32), computed here
+    rather than in the LM's forward: called from inside the forward of an FSDP2 root module (the
+    ring trainer's loss forward), the model's output, its loss too, is cast to ``output_dtype``."""
+    lm = pretrained_model(model)
+    return lm.loss_function(
+        logits,
+        shift_labels,
+        lm.config.vocab_size,
+        num_items_in_batch=num_items_in_batch,
+        shift_labels=shift_labels,
+    )
 
 
 def _with_router_loss(
@@ -179,14 +187,7 @@ def _with_router_loss(
     else:
         with offload:
             out = model(**call, **documents)
-        lm = pretrained_model(model)
-        loss = lm.loss_function(
-            out.logits,
-            shift_labels,
-            lm.config.vocab_size,
-            num_items_in_batch=num_items_in_batch,
-            shift_labels=shift_labels,
-        )
+        loss = _full_logits_loss(model, out.logits, shift_labels, num_items_in_batch)
     aux, cp = cp_load_balancing_loss(model, router, out.router_logits, router_rows)
     return loss + (router.coef * router_scale / cp) * aux.to(loss.dtype)
 

@@ -107,12 +107,18 @@ def training_arguments(
 
 def _decay_names(model: torch.nn.Module) -> list[str]:
     """Trainable matrices decay (embeddings, projections), vectors (norm weights, biases) do not;
-    the rank read from ``ds_shape`` under ZeRO-3's partitioned construction."""
+    the rank read from ``ds_shape`` under ZeRO-3's partitioned construction. Call it on the model
+    before ``prepare`` (FSDP1 then flattens each parameter into its shard)."""
     return [
         name
         for name, p in model.named_parameters()
         if p.requires_grad and len(getattr(p, "ds_shape", None) or p.shape) >= 2
     ]
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name in the model without FSDP1's wrappers."""
+    return name.replace("_fsdp_wrapped_module.", "")
 
 
 @functools.cache
@@ -125,13 +131,14 @@ def _trainer_class(base: type) -> type:
         def __init__(self, *args: Any, recipe: Recipe, **kwargs: Any):
             self.recipe = recipe
             super().__init__(*args, **kwargs)
+            self._decay = set(_decay_names(self.model))  # (the optimizer is built after prepare)
 
         def _get_train_sampler(self, train_dataset: Any = None) -> Any:
             dataset = train_dataset if train_dataset is not None else self.train_dataset
             return RecipeSampler(len(dataset), self.recipe.train.seed, self.recipe.data.shuffle)
 
         def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
-            return _decay_names(model)
+            return [name for name, _ in model.named_parameters() if _unwrapped_name(name) in self._decay]
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             """The Trainer's save on every rank, then one verdict: an I/O failure on any rank

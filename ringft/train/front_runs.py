@@ -193,15 +193,23 @@ def export_final(trainer: Any, recipe: Recipe) -> Path:
     """Save the final model (or LoRA adapter), tokenizer and recipe to ``output_dir/final`` (every
     rank: sharded weights are gathered). The saved config names a standard attention implementation
     (the ring is removed for the save and put back); a LoRA export also saves the base config with
-    this run's RoPE / context overrides, so the adapter is evaluated with the theta it was trained at."""
+    this run's RoPE / context overrides, so the adapter is evaluated with the theta it was trained at.
+
+    Under FSDP the full state dict is gathered whatever the launch's ``fsdp_state_dict_type``
+    (the Trainer's ``save_model`` writes no weights under ``SHARDED_STATE_DICT``)."""
     from ringft.model.patch import apply_ring_attention, remove_ring_attention, ring_spec
 
     final = Path(recipe.checkpoint.output_dir) / "final"
-    model = trainer.model
+    model = trainer.accelerator.unwrap_model(trainer.model)  # (FSDP1 keeps its wrapper as trainer.model)
     spec = ring_spec(model)
     remove_ring_attention(model)
     try:
-        trainer.save_model(str(final))
+        if trainer.is_fsdp_enabled:
+            state = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every rank
+            if trainer.args.process_index == 0:
+                trainer._save(str(final), state_dict=state)
+        else:
+            trainer.save_model(str(final))
         if trainer.args.process_index == 0:
             if hasattr(model, "get_base_model"):
                 model.get_base_model().config.save_pretrained(str(final))

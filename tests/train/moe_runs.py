@@ -1,6 +1,6 @@
 """A tiny Qwen3-MoE with its router load-balancing loss on, trained through ``ringft train``'s
-recipe under DeepSpeed ZeRO-3 (tests/train/test_deepspeed.py) and FSDP2 (tests/train/test_fsdp.py)
-against one process.
+recipe under DeepSpeed ZeRO-3 (tests/train/test_deepspeed.py) and FSDP2 (tests/train/test_fsdp.py,
+tests/train/fsdp_launch.py) against one process.
 
 The model is tests/train/hf_runs.py's ``tiny_moe``: 2 layers of 4 experts (2 per token),
 ``output_router_logits`` on, ``router_aux_loss_coef`` 0.5 (the term is ~1/3 of the step loss:
@@ -100,80 +100,3 @@ def transformers_first_step_loss(model: str, data: str, seq_len: int = 64) -> fl
 def expert_parameter_names(state: dict[str, Any]) -> list[str]:
     """The experts' and routers' tensors of a state dict (what the sharded runs must shard)."""
     return sorted(k for k in state if ".mlp.experts." in k or ".mlp.gate." in k)
-
-
-def fsdp2_plugin(mixed_precision: str = "no") -> Any:
-    """The FSDP plugin ``accelerate launch --config_file recipes/accelerate/fsdp2.yaml`` hands a
-    training process (accelerate's own launch parsing), with ``mixed_precision`` instead of the
-    shipped bf16; the process's environment is left as it was."""
-    import os
-
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    config = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / "fsdp2.yaml"
-    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
-    saved = dict(os.environ)
-    try:
-        os.environ.update(prepare_multi_gpu_env(_validate_launch_command(args)[0]))
-        plugin = FullyShardedDataParallelPlugin()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
-    if mixed_precision != "no":
-        plugin.set_mixed_precision(mixed_precision)
-    return plugin
-
-
-def fsdp2_accelerator(plugin: Any):
-    """``make_accelerator`` of ``ringft train`` whose Accelerator then runs the FSDP ``plugin``:
-    accelerate enables FSDP only on accelerators, so on CPU the state is switched after the
-    (gloo) Accelerator is built; ``prepare`` then shards with accelerate's own ``fsdp2_prepare_model``."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    from ringft.train.integrations import make_accelerator
-
-    def make(recipe: Any) -> Any:
-        accelerator = make_accelerator(recipe)
-        for state in (accelerator.state, PartialState()):  # (AcceleratorState copies PartialState's)
-            state.distributed_type = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = plugin
-        return accelerator
-
-    return make
-
-
-def fsdp2_moe_runs(rank: int, world: int, ring: dict, one: dict, store: str) -> dict[str, Any]:
-    """(Inside a ``world``-rank spawn.) ``ring`` (a recipe) trained by ``ringft train``'s Trainer
-    under FSDP2 as fsdp2.yaml prepares it, then (rank 0, after the group is gone) ``one`` in one
-    plain process. Returns the losses and how the experts' parameters were held."""
-    import os
-    from unittest import mock
-
-    from torch.distributed.tensor import DTensor
-
-    import ringft.train.loop as loop
-    from ringft.train.recipe import recipe_from_dict
-
-    with mock.patch.object(loop, "make_accelerator", fsdp2_accelerator(fsdp2_plugin())):
-        trainer = loop.Trainer(recipe_from_dict(ring), progress=False)
-    experts = {}
-    for name, p in trainer.wrapped.named_parameters():
-        if ".mlp.experts." in name or ".mlp.gate." in name:
-            placements = [str(x) for x in p.placements] if isinstance(p, DTensor) else None
-            local = p.to_local() if isinstance(p, DTensor) else p
-            experts[name] = {"shape": list(p.shape), "local": list(local.shape), "placements": placements}
-    out: dict[str, Any] = {"experts": experts, "losses": trainer.run().losses}
-    if rank == 0:
-        from accelerate.state import AcceleratorState, GradientState
-
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
-        os.environ["WORLD_SIZE"] = "1"
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        out["one"] = loop.Trainer(recipe_from_dict(one), progress=False).run().losses
-    return out

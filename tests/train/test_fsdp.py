@@ -1,59 +1,70 @@
-"""FSDP with gradient accumulation (issue 17, item 4): the trainer's micro-steps
-(``ringft.train.integrations.run_micro_steps``) do not use ``no_sync`` under FSDP, so every
-micro-step reduce-scatters and a rank only ever holds its gradient shard; the accumulated sharded
-gradients equal one big step's.
+"""``ringft train``'s Trainer engine (transformers' Trainer with the ring mixin) under FSDP1 and FSDP2,
+as ``accelerate launch`` with the shipped recipes/accelerate/fsdp.yaml / fsdp2.yaml prepares it,
+on CPU / gloo (tests/train/fsdp_launch.py emulates the launch: accelerate runs FSDP only on
+accelerators), 2 ranks, in one spawn:
 
-accelerate runs FSDP only on accelerators, so this wraps the model with torch's FSDP (version 1,
-``use_orig_params=True``, one unit per decoder layer: what recipes/accelerate/fsdp.yaml asks for)
-directly, on CPU with gloo, 2 ranks x 2 micro-steps x 1 sequence.
+- FSDP1 (fsdp.yaml, ``SHARDED_STATE_DICT`` checkpoints), dp=2, micro-batch 1 x grad_accum 2, weight
+  decay, a checkpoint every 2 steps == one process with micro-batch 4: the logged losses, grad norms
+  and the exported update (the export gathers the sharded model). The Trainer enters no ``no_sync``
+  (the mixin sets ``sync_each_batch``): after the first micro-step a rank holds only its gradient
+  shard, not the ~15 GiB of unsharded bf16 gradients an 8B model's no_sync would keep. ``--resume``
+  from the sharded step-2 checkpoint replays steps 3 and 4 bit-exactly.
+- FSDP2 (fsdp2.yaml) on a Qwen3-MoE with its router load-balancing loss (tests/train/moe_runs.py) at
+  dp=1 x cp=2 == one process: losses (the first == transformers' own forward loss), grad norms, the
+  exported update of every weight; the experts and routers are DTensors sharded over the 2 ranks.
+- FSDP2 under the shipped ``mixed_precision: bf16`` with a bf16 model: fp32 master weights (the
+  sharded parameters the optimizer steps), the policy as ringft adjusts it
+  (``configure_fsdp_precision``: fp32 gradient reduction, FSDP2's bf16 outputs kept) and the fp32
+  loss the training step returns although the root's output is cast to bf16; a bf16 model under
+  ``mixed_precision: no`` is refused before anything loads.
 
-Tolerance: the runs compute the same fp32 values with the sums in another order (per micro-step and
-per shard vs one batch; chunked vs whole logits): eps32 x (tokens + vocab + hidden + intermediate)
-relative to the largest gradient entry, as in tests/model/test_memory_options.py.
+The dense and MoE one-process references run first, one per rank, before the group forms.
+Tolerances: tests/tiny_training.py's (LOSS_RTOL, UPDATE_RTOL: reordered fp32 sums) and
+tests/train/moe_runs.py's; a resume replays the same operations: bit-exact.
 
-In the same processes, FSDP1 and FSDP2 (one unit per decoder layer and the root) under the policy
-accelerate builds for ``mixed_precision: bf16``, as ringft's trainers adjust it
-(``configure_fsdp_precision``: fp32 gradient reduction, FSDP1 buffers not cast). FSDP2's policy
-keeps ``output_dtype=bf16``, which also casts the root's output: the loss. Both loss paths
-(``run_micro_steps`` over ``CausalLMLoss``, and the mixin's ``ring_loss``) must log the fp32 loss
-and give the fp32 sum of the per-micro-step bf16 gradients; FSDP1 must leave the rotary ``inv_freq``
-fp32. Oracle: a bf16 copy of the model in one process, each micro-batch alone (the ranks' shapes, so
-the same bf16 kernels), fp64 sums. Tolerance ``BF16_RTOL``: the same values summed in another order,
-4 fp32 additions (4 eps32); bf16's own resolution (2^-8 relative, what the loss had when read from
-the cast output) is 2^13 times larger.
-
-Last in the same processes (its ``end_training`` closes the group): ``ringft train``'s Trainer on a
-Qwen3-MoE with its router load-balancing loss (tests/train/moe_runs.py) at dp=1 x cp=2, under FSDP2
-as accelerate prepares it from the shipped recipes/accelerate/fsdp2.yaml (``fsdp2_prepare_model``:
-one unit per decoder layer, the experts' and routers' parameters DTensors sharded over the 2
-ranks); then, on rank 0, the same recipe in one plain process. Tolerances: tests/train/moe_runs.py.
+In the same processes, the mixin's loss (``ring_loss``) under accelerate's bf16 policies as ringft
+adjusts them, FSDP1 and FSDP2 wrapped by torch directly (one unit per decoder layer and the root):
+it must give the fp32 loss and the fp32 sum of the per-micro-step bf16 gradients; FSDP1 must leave
+the rotary ``inv_freq`` fp32. Oracle: a bf16 copy of the model in one process, each micro-batch
+alone (the ranks' shapes, so the same bf16 kernels), fp64 sums. Tolerance ``BF16_RTOL``: the same
+values summed in another order, 4 fp32 additions (4 eps32); bf16's own resolution (2^-8 relative,
+what the loss had when read from the cast output) is 2^13 times larger.
 """
 
 from __future__ import annotations
 
-import copy
 import json
+import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ringft.utils.spawn import run_distributed
-from tests.tiny_training import assert_updates_close, final_weights
+from tests.tiny_training import (
+    LOSS_RTOL,
+    UPDATE_RTOL,
+    assert_updates_close,
+    assert_weights_equal,
+    final_weights,
+    initial_weights,
+    tiny_recipe,
+)
 from tests.train.moe_runs import (
     MOE_LOSS_RTOL,
     MOE_UPDATE_RTOL,
     expert_parameter_names,
-    fsdp2_moe_runs,
     moe_recipe,
     save_moe,
     transformers_first_step_loss,
 )
 
-SEQ, VOCAB, HIDDEN, INTERMEDIATE = 48, 300, 32, 64
-TOKENS = 4 * SEQ  # the global batch: 2 ranks x 2 micro-steps x 1 sequence
-RTOL = torch.finfo(torch.float32).eps * (TOKENS + VOCAB + HIDDEN + INTERMEDIATE)
+SEQ, VOCAB, HIDDEN, INTERMEDIATE = 48, 300, 32, 64  # the bf16 policy runs' Llama
 BF16_RTOL = 4 * torch.finfo(torch.float32).eps
+SPAWN_TIMEOUT = 420
+WEIGHT_DECAY = 0.5  # decays by lr * 0.5 * w = ~1 % of an AdamW step at lr 1e-3: left off, visible
 
 
 def _model():
@@ -79,49 +90,6 @@ def _batch(example: int) -> dict[str, torch.Tensor]:
     labels[:, :-1] = ids[:, 1:]
     labels[:, : 5 * example] = -100  # examples hold different numbers of targets
     return {"input_ids": ids, "position_ids": torch.arange(SEQ)[None], "shift_labels": labels}
-
-
-def _fsdp_worker(rank: int, world: int, sync_kind: str, moe: dict) -> dict:
-    import functools
-
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    from ringft.loss import CausalLMLoss, loss_normalization
-    from ringft.train.integrations import run_micro_steps
-
-    model = _model()
-    total = sum(p.numel() for p in model.parameters())  # (before FSDP shards them)
-    reference = CausalLMLoss(copy.deepcopy(model), chunked=True, chunk_size=16, offload_activations=False)
-    everything = [_batch(i) for i in range(world * 2)]
-    big = {k: torch.cat([b[k] for b in everything]) for k in everything[0]}
-    n_all = (big["shift_labels"] != -100).sum()
-    reference(**big, num_items_in_batch=n_all).backward()  # one big step, one process
-    expected = {n: p.grad for n, p in reference.named_parameters()}
-
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-    wrapped = FSDP(
-        CausalLMLoss(model, chunked=True, chunk_size=16, offload_activations=False),
-        auto_wrap_policy=policy,
-        device_id=torch.device("cpu"),
-        use_orig_params=True,
-    )
-    mine = [everything[2 * rank + m] for m in range(2)]  # this rank's micro-steps
-    norm = loss_normalization([b["shift_labels"] for b in mine])  # over both ranks and micro-steps
-    held: list[int] = []
-
-    def backward(loss: torch.Tensor) -> None:
-        loss.backward()
-        held.append(sum(p.grad.numel() for p in wrapped.parameters() if p.grad is not None))
-
-    run_micro_steps(wrapped, mine, norm, sync_kind, backward=backward)
-    with FSDP.summon_full_params(wrapped, with_grads=True):
-        got = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in wrapped.named_parameters()}
-    errors = {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in expected.items()}
-    bf16 = _bf16_runs(rank, everything, n_all)
-    moe_out = fsdp2_moe_runs(rank, world, **moe)  # last: the Trainer's end_training closes the group
-    return {"held": held, "total": total, "errors": errors, "bf16": bf16, "moe": moe_out}
 
 
 def _rel(got: dict, expected: dict) -> dict[str, float]:
@@ -173,16 +141,17 @@ def _full_grads(wrapped, version: int, prefix: str = "") -> dict[str, torch.Tens
         }
 
 
-def _bf16_runs(rank: int, everything: list[dict], n_all: torch.Tensor) -> dict:
-    """Both loss paths under the bf16 policies (see the module docstring): the logged loss's and
-    the gradients' relative errors, the dtypes of the mixin's losses and of the buffers."""
+def _bf16_runs(rank: int) -> dict:
+    """The mixin's loss under the bf16 policies (see the module docstring): per FSDP version the
+    logged loss's and the gradients' relative errors, the losses' dtypes, the buffers' dtypes."""
     import torch.distributed as dist
 
-    from ringft.loss import CausalLMLoss, loss_normalization
+    from ringft.loss import CausalLMLoss
     from ringft.train.hf.forward import install_ring_loss_forward, ring_loss
-    from ringft.train.integrations import FSDP, run_micro_steps
 
     world = dist.get_world_size()
+    everything = [_batch(i) for i in range(world * 2)]
+    n_all = sum((b["shift_labels"] != -100).sum() for b in everything)
     reference = CausalLMLoss(_model(), chunked=True, chunk_size=16, offload_activations=False)
     for p in reference.parameters():  # bf16 parameters, fp32 buffers (rotary inv_freq)
         p.data = p.data.to(torch.bfloat16)
@@ -193,77 +162,194 @@ def _bf16_runs(rank: int, everything: list[dict], n_all: torch.Tensor) -> dict:
         loss.backward()
         want_loss += loss.double() / world
         for n, p in reference.named_parameters():
-            want[n] = want.get(n, 0) + p.grad.double() / world  # FSDP averages over the world
+            want[n.removeprefix("model.")] = want.get(n.removeprefix("model."), 0) + p.grad.double() / world
 
-    mine = [everything[2 * rank + m] for m in range(2)]
-    norm = loss_normalization([b["shift_labels"] for b in mine])
+    mine = [everything[2 * rank + m] for m in range(2)]  # this rank's micro-steps
     out = {}
     for version in (2, 1):
-        inner = _model()
-        module = CausalLMLoss(inner, chunked=True, chunk_size=16, offload_activations=False)
-        wrapped = _wrap(module, inner.model.layers, version)
-        logged = run_micro_steps(wrapped, mine, norm, FSDP)
+        lm = _model()
+        install_ring_loss_forward(lm, chunk_size=16, offload_activations=False)
+        wrapped = _wrap(lm, lm.model.layers, version)
+        logged, dtypes = torch.zeros(()), set()
+        for batch in mine:
+            loss = ring_loss(wrapped, batch, n_all, world)
+            dtypes.add(str(loss.dtype))
+            loss.backward()
+            logged += loss.detach() / world
         dist.all_reduce(logged)
-        out[f"CausalLMLoss FSDP{version}"] = {
+        out[f"ring_loss FSDP{version}"] = {
             "loss": abs(logged.item() / want_loss.item() - 1),
             "grads": _rel(_full_grads(wrapped, version), want),
-            "buffers": {str(b.dtype) for b in inner.buffers()},
+            "dtypes": dtypes,
+            "buffers": {str(b.dtype) for b in lm.buffers()},
         }
-    lm = _model()
-    install_ring_loss_forward(lm, chunk_size=16, offload_activations=False)
-    lm = _wrap(lm, lm.model.layers, 2)
-    logged, dtypes = torch.zeros(()), set()
-    for batch in mine:
-        loss = ring_loss(lm, batch, norm.num_items_in_batch, norm.loss_scale)
-        dtypes.add(str(loss.dtype))
-        loss.backward()
-        logged += loss.detach() / norm.loss_scale
-    dist.all_reduce(logged)
-    out["ring_loss FSDP2"] = {
-        "loss": abs(logged.item() / want_loss.item() - 1),
-        "grads": _rel(_full_grads(lm, 2, "model."), want),
-        "dtypes": dtypes,
-    }
     return out
+
+
+def _front(raw: dict, config: str, mixed_precision: str | None = None, resume: bool = False) -> dict:
+    """``ringft train`` of ``raw`` under the emulated launch of ``config``: the logged losses and
+    what the launch recorded; the experts' / routers' placements (MoE), the policy and the sharded
+    parameters' dtypes."""
+    from torch.distributed.tensor import DTensor
+
+    from ringft.train import front
+    from ringft.train.recipe import recipe_from_dict
+    from tests.train.fsdp_launch import fsdp_launch
+
+    with fsdp_launch(config, mixed_precision) as record:
+        recipe = recipe_from_dict(raw)
+        trainer, folder = front.build_trainer(recipe, resume=resume, progress=False)
+        try:
+            losses = front._run(trainer, folder, recipe).losses
+        finally:
+            folder.release()
+    experts = {}
+    for name, p in trainer.model.named_parameters():
+        if ".mlp.experts." in name or ".mlp.gate." in name:
+            placements = [str(x) for x in p.placements] if isinstance(p, DTensor) else None
+            local = p.to_local() if isinstance(p, DTensor) else p
+            experts[name] = {"shape": list(p.shape), "local": list(local.shape), "placements": placements}
+    policy = trainer.accelerator.state.fsdp_plugin.mixed_precision_policy
+    return {
+        "losses": losses,
+        "start_step": folder.start_step,
+        "no_sync": record.no_sync,
+        "held": record.held,
+        "loss_dtypes": record.loss_dtypes,
+        "param_dtypes": {str(p.dtype) for p in trainer.model.parameters()},
+        "policy": None if policy is None else {k: str(v) for k, v in vars(policy).items()},
+        "experts": experts,
+    }
+
+
+def _refused(raw: dict) -> str:
+    """The error ``ringft train`` of ``raw`` (a bf16 model) raises under fsdp2.yaml with
+    ``mixed_precision: no``."""
+    from ringft.train import front
+    from ringft.train.errors import RecipeError
+    from ringft.train.recipe import recipe_from_dict
+    from tests.train.fsdp_launch import fsdp_launch
+
+    with fsdp_launch("fsdp2.yaml", "no"), pytest.raises(RecipeError) as caught:
+        front.build_trainer(recipe_from_dict(raw), progress=False)
+    return str(caught.value)
+
+
+def _fsdp_worker(rank: int, world: int, plan: dict) -> dict:
+    """The one-process references (``alone``: one per rank, before the group), then the runs of
+    the module docstring in a fresh ``world``-rank group."""
+    import torch.distributed as dist
+
+    from tests.train.hf_runs import _DIST_ENV
+    from tests.workers import fresh_group, one_thread
+
+    one_thread()
+    saved = {k: os.environ.pop(k) for k in _DIST_ENV if k in os.environ}
+    dist.destroy_process_group()
+    os.environ["WORLD_SIZE"] = "1"
+    alone = _front_plain(plan["alone"][rank])
+    os.environ.update(saved)
+    out: dict[str, Any] = {"alone": alone, "refused": _refused(plan["refused"])}
+    fresh_group(plan["store"], 0, rank, world)
+    out["bf16"] = _bf16_runs(rank)
+    for i, (name, raw, config, mixed, resume) in enumerate(plan["runs"], start=1):
+        if name == "fsdp1-resumed" and rank == 0:  # only the step-2 checkpoint, written by "fsdp1"
+            first = Path(plan["runs"][0][1]["checkpoint"]["output_dir"])
+            again = Path(raw["checkpoint"]["output_dir"])
+            shutil.copytree(first, again, ignore=shutil.ignore_patterns("final", "metrics.jsonl", "logs"))
+            shutil.rmtree(again / "checkpoint-4")
+        fresh_group(plan["store"], i, rank, world)  # (a barrier: the copy is done)
+        out[name] = _front(raw, config, mixed, resume)
+    return out
+
+
+def _front_plain(raw: dict) -> list[float]:
+    """``ringft train`` of ``raw`` in this process alone (no launch): its logged losses."""
+    from tests.tiny_training import in_process_front
+
+    with in_process_front(raw) as run:
+        return run.run().losses
 
 
 @pytest.fixture(scope="module")
 def fsdp_spawn(tmp_path_factory, data_path) -> dict:
-    """The 2-rank spawn of every test here; ``root``: the MoE runs' folder."""
-    from ringft.train.integrations import FSDP
-
+    """The 2-rank spawn of every test here; ``root``: the runs' folder."""
     root = tmp_path_factory.mktemp("fsdp")
-    model = save_moe(root / "moe")
-    moe = {
-        "ring": moe_recipe(root / "fsdp2-moe", data_path, model, dp=1, cp=2),
-        "one": moe_recipe(root / "one-moe", data_path, model, dp=1, cp=1),
+    moe = save_moe(root / "moe")
+    wd = {"weight_decay": WEIGHT_DECAY}
+    dense = tiny_recipe(
+        root / "fsdp1",
+        data_path,
+        train={"micro_batch_size": 1, "grad_accum": 2, **wd},
+        checkpoint={"save_every": 2, "keep": 3},
+    )
+    bf16 = tiny_recipe(root / "bf16", data_path, model={"dtype": "bf16"}, train={"max_steps": 2})
+    plan = {
+        "alone": [
+            tiny_recipe(root / "one", data_path, train={"micro_batch_size": 4, **wd}),
+            moe_recipe(root / "one-moe", data_path, moe, dp=1, cp=1),
+        ],
+        "refused": tiny_recipe(root / "refused", data_path, model={"dtype": "bf16"}),
+        "runs": [
+            ("fsdp1", dense, "fsdp.yaml", "no", False),
+            (
+                "fsdp1-resumed",
+                {**dense, "checkpoint": {**dense["checkpoint"], "output_dir": str(root / "again")}},
+                "fsdp.yaml",
+                "no",
+                True,
+            ),
+            (
+                "fsdp2-moe",
+                moe_recipe(root / "fsdp2-moe", data_path, moe, dp=1, cp=2),
+                "fsdp2.yaml",
+                "no",
+                False,
+            ),
+            ("fsdp2-bf16", bf16, "fsdp2.yaml", None, False),
+        ],
         "store": str(root / "store"),
     }
-    return {"ranks": run_distributed(_fsdp_worker, 2, FSDP, moe, timeout=210), "root": root}
+    ranks = run_distributed(_fsdp_worker, 2, plan, timeout=SPAWN_TIMEOUT)
+    return {"ranks": ranks, "root": root, "dense": dense}
+
+
+def _metric(output_dir: Path, key: str = "loss") -> list[float]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows]
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(240)
-def test_fsdp_micro_steps_reduce_scatter_and_match_one_big_step(fsdp_spawn):
-    for rank, out in enumerate(fsdp_spawn["ranks"]):
-        worst = max(out["errors"], key=out["errors"].get)
-        assert out["errors"][worst] <= RTOL, f"rank {rank}: grad {worst} off by {out['errors'][worst]:.2e}"
-        # after the first micro-step the rank holds its shard of the gradients (about half), not all
-        shard = out["total"] / 2 + 64  # + FSDP's padding of each flat parameter to a multiple of 2
-        assert out["held"][0] <= shard, f"rank {rank}: {out['held'][0]} gradient entries of {out['total']}"
-        # accelerate's bf16 policies as ringft adjusts them: the fp32 loss, fp32 sums of bf16 gradients
-        for path, res in out["bf16"].items():
-            assert res["loss"] <= BF16_RTOL, f"rank {rank} {path}: logged loss off by {res['loss']:.2e}"
-            worst = max(res["grads"], key=res["grads"].get)
-            assert res["grads"][worst] <= BF16_RTOL, (
-                f"rank {rank} {path}: grad {worst} {res['grads'][worst]:.2e}"
-            )
-            assert res.get("buffers", {"torch.float32"}) == {"torch.float32"}, (path, res["buffers"])
-        assert out["bf16"]["ring_loss FSDP2"]["dtypes"] == {"torch.float32"}, out["bf16"]
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_fsdp1_trainer_matches_one_process_shards_gradients_and_resumes(fsdp_spawn):
+    root, ranks = fsdp_spawn["root"], fsdp_spawn["ranks"]
+    one = ranks[0]["alone"]
+    for rank, out in enumerate(ranks):
+        run = out["fsdp1"]
+        assert run["losses"] == pytest.approx(one, rel=LOSS_RTOL), rank
+        # no no_sync: every micro-step reduce-scatters, so after it the rank holds about half
+        assert run["no_sync"] == 0, run["no_sync"]
+        total = sum(t.numel() for t in final_weights(root / "one").values())
+        assert len(run["held"]) == 2 * 4 and max(run["held"]) <= total / 2 + 64, (run["held"], total)
+        assert run["policy"] is None and run["param_dtypes"] == {"torch.float32"}
+    assert _metric(root / "fsdp1", "grad_norm") == pytest.approx(
+        _metric(root / "one", "grad_norm"), rel=UPDATE_RTOL
+    )
+    weights = final_weights(root / "fsdp1")
+    assert_updates_close(
+        weights, final_weights(root / "one"), initial_weights(fsdp_spawn["dense"]), UPDATE_RTOL
+    )
+    step2 = root / "fsdp1" / "checkpoint-2"
+    shards = {p.name for p in (step2 / "pytorch_model_fsdp_0").iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp"} <= shards, shards  # SHARDED_STATE_DICT: one file per rank
+    for out in ranks:  # the resumed run: from step 2, the same losses and weights
+        assert out["fsdp1-resumed"]["start_step"] == 2
+        assert out["fsdp1-resumed"]["losses"] == out["fsdp1"]["losses"][2:]
+    assert_weights_equal(final_weights(root / "again"), weights)
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_fsdp2_moe_router_loss_matches_one_process(fsdp_spawn, data_path):
     """``ringft train`` under fsdp2.yaml's FSDP2, dp=1 x cp=2, a Qwen3-MoE with its router loss ==
     one process: logged losses (the first == transformers' own forward loss), grad norms, the
@@ -272,14 +358,13 @@ def test_fsdp2_moe_router_loss_matches_one_process(fsdp_spawn, data_path):
     from safetensors.torch import load_file
 
     root = fsdp_spawn["root"]
-    ring, one = fsdp_spawn["ranks"][0]["moe"], fsdp_spawn["ranks"][0]["moe"]["one"]
+    one = fsdp_spawn["ranks"][1]["alone"]
     assert one[0] == pytest.approx(
         transformers_first_step_loss(str(root / "moe"), data_path), rel=MOE_LOSS_RTOL
     )
-    assert ring["losses"] == pytest.approx(one, rel=MOE_LOSS_RTOL)
 
     def grad_norms(out: Path) -> list[float]:
-        return [json.loads(line)["grad_norm"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return _metric(out, "grad_norm")
 
     assert grad_norms(root / "fsdp2-moe") == pytest.approx(grad_norms(root / "one-moe"), rel=MOE_UPDATE_RTOL)
     start = load_file(str(root / "moe" / "model.safetensors"))
@@ -288,7 +373,10 @@ def test_fsdp2_moe_router_loss_matches_one_process(fsdp_spawn, data_path):
     for name in expert_parameter_names(want):
         assert not torch.equal(want[name], start[name]), name
     for rank, out in enumerate(fsdp_spawn["ranks"]):
-        held = out["moe"]["experts"]
+        run = out["fsdp2-moe"]
+        assert run["losses"] == pytest.approx(one, rel=MOE_LOSS_RTOL), rank
+        assert run["no_sync"] == 0, run["no_sync"]
+        held = run["experts"]
         assert len(held) == 2 * 3, sorted(held)  # per layer: the fused gate_up / down experts, the router
         for name, h in held.items():
             assert h["placements"] == ["S(0)"] and h["local"] == [h["shape"][0] // 2, *h["shape"][1:]], (
@@ -296,6 +384,33 @@ def test_fsdp2_moe_router_loss_matches_one_process(fsdp_spawn, data_path):
                 name,
                 h,
             )
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_fsdp_bf16_fp32_masters_fp32_loss_and_reduction(fsdp_spawn):
+    """The shipped ``mixed_precision: bf16`` through the Trainer (see the module docstring), and
+    the mixin's loss under both versions' bf16 policies against a bf16 oracle."""
+    for rank, out in enumerate(fsdp_spawn["ranks"]):
+        run = out["fsdp2-bf16"]
+        assert run["param_dtypes"] == {"torch.float32"}, run  # the masters the optimizer steps
+        assert run["loss_dtypes"] == {"torch.float32"}, run
+        policy = run["policy"]
+        assert (policy["param_dtype"], policy["reduce_dtype"], policy["output_dtype"]) == (
+            "torch.bfloat16",
+            "torch.float32",
+            "torch.bfloat16",
+        ), policy
+        assert len(run["losses"]) == 2 and all(0 < x < 10 for x in run["losses"]), run["losses"]
+        assert "mixed_precision: bf16" in out["refused"], out["refused"]
+        for path, res in out["bf16"].items():
+            assert res["loss"] <= BF16_RTOL, f"rank {rank} {path}: logged loss off by {res['loss']:.2e}"
+            worst = max(res["grads"], key=res["grads"].get)
+            assert res["grads"][worst] <= BF16_RTOL, (
+                f"rank {rank} {path}: grad {worst} {res['grads'][worst]:.2e}"
+            )
+            assert res["dtypes"] == {"torch.float32"}, (path, res["dtypes"])
+            assert res["buffers"] == {"torch.float32"}, (path, res["buffers"])
 
 
 def test_fsdp_precision_policy_reduces_in_fp32_and_keeps_buffers():

@@ -20,6 +20,8 @@ off, so ``cp_size=1`` without memory options is the base class unchanged):
 - ``_get_num_items_in_batch``: the step's denominator and loss scale, refused batches raised on
   every rank, token counters (:mod:`ringft.train.hf.steps`); ``_track_num_input_tokens`` reads them;
 - ``compute_loss``: ringft's chunked loss through the wrapped model, times the loss scale;
+- ``_load_optimizer_and_scheduler``: under FSDP, the optimizer's state exists before a sharded
+  checkpoint is loaded into it (:mod:`ringft.train.hf.fsdp_resume`);
 - ``prediction_step`` / ``evaluation_loop``: eval loss over the CP group, logits gathered within CP
   and put back in sequence order (:func:`ringft.ops.sharding.cp_gather`), metrics gathered
   across DP only.
@@ -266,6 +268,13 @@ class RingTrainerMixin:
 
             self._masters = attach_master_weights(optimizer)
         return optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        if checkpoint is not None and self._ring is not None and self.is_fsdp_enabled:
+            from ringft.train.hf.fsdp_resume import materialize_optimizer_state
+
+            materialize_optimizer_state(self.optimizer)  # (an empty state loads nothing under FSDP1)
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def _clip_grad_norm(self, model: Any) -> Any:
         if self._masters is None:
