@@ -57,6 +57,7 @@ def bounds(layers: int) -> dict[str, float]:
     out["grad32"] = 3 * SEQ * EPS32
     return out
 
+
 WINDOWS = (1, 3, 13, 40)  # 1: itself only; 3 < every chunk; 13 straddles chunk edges; 40 > a chunk
 PACKED = ([19, 13, 9, 5], 48)  # documents across and on chunk edges, one packed row of 48
 DECODE_PROMPT, DECODE_NEW, DECODE_WINDOW = 30, 12, 8
