@@ -189,6 +189,15 @@ class RunFolder:
         self.lock.release()
 
 
+def _in_model_dtype(state: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """The gathered state in the recipe's ``model.dtype``: under a bf16 launch FSDP holds fp32
+    master weights, and the export is the model the user trained (bf16, as DDP and ZeRO-3 save it)."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[recipe.model.dtype]
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}
+
+
 def export_final(trainer: Any, recipe: Recipe) -> Path:
     """Save the final model (or LoRA adapter), tokenizer and recipe to ``output_dir/final`` (every
     rank: sharded weights are gathered). The saved config names a standard attention implementation
@@ -196,7 +205,8 @@ def export_final(trainer: Any, recipe: Recipe) -> Path:
     this run's RoPE / context overrides, so the adapter is evaluated with the theta it was trained at.
 
     Under FSDP the full state dict is gathered whatever the launch's ``fsdp_state_dict_type``
-    (the Trainer's ``save_model`` writes no weights under ``SHARDED_STATE_DICT``)."""
+    (the Trainer's ``save_model`` writes no weights under ``SHARDED_STATE_DICT``) and saved in
+    ``model.dtype`` (the fp32 masters of a bf16 launch rounded once, as DDP / ZeRO-3 export them)."""
     from ringft.model.patch import apply_ring_attention, remove_ring_attention, ring_spec
 
     final = Path(recipe.checkpoint.output_dir) / "final"
@@ -207,7 +217,7 @@ def export_final(trainer: Any, recipe: Recipe) -> Path:
         if trainer.is_fsdp_enabled:
             state = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every rank
             if trainer.args.process_index == 0:
-                trainer._save(str(final), state_dict=state)
+                trainer._save(str(final), state_dict=_in_model_dtype(state, recipe))
         else:
             trainer.save_model(str(final))
         if trainer.args.process_index == 0:

@@ -402,6 +402,8 @@ def test_fsdp_bf16_fp32_masters_fp32_loss_and_reduction(fsdp_spawn):
             "torch.bfloat16",
         ), policy
         assert len(run["losses"]) == 2 and all(0 < x < 10 for x in run["losses"]), run["losses"]
+        exported = final_weights(fsdp_spawn["root"] / "bf16")  # model.dtype bf16: a bf16 export
+        assert {str(v.dtype) for v in exported.values()} == {"torch.bfloat16"}
         assert "mixed_precision: bf16" in out["refused"], out["refused"]
         for path, res in out["bf16"].items():
             assert res["loss"] <= BF16_RTOL, f"rank {rank} {path}: logged loss off by {res['loss']:.2e}"
