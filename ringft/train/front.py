@@ -3,7 +3,7 @@
 
 The recipe becomes ``TrainingArguments`` (:func:`training_arguments`) and a :class:`RecipeTrainer`
 (the mixin over ``Trainer``, with the recipe's data order, optimizer groups and learning-rate
-schedule). Order of work, as before: everything that can be refused is checked first on every rank
+schedule). Order of work: everything that can be refused is checked first on every rank
 (recipe vs world size, tokenizer vs model config, the data), then the output folder is locked and
 the checkpoint to resume from is chosen and compared with the recipe, and only then is the model
 loaded. A refused run writes nothing.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ringft.ops.validate import PeerFailed, run_together
-from ringft.train.build import add_lora, build_model, build_tokenizer, model_config
+from ringft.train.build import add_lora, build_model, build_tokenizer, decay_parameter_names, model_config
 from ringft.train.data import load_training_data, split_eval_data
 from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
 from ringft.train.front_launch import model_construction, prepare_launch
@@ -95,16 +95,6 @@ def training_arguments(recipe: Recipe, progress: bool = True, bf16: bool = False
     )
 
 
-def _decay_names(model: torch.nn.Module) -> list[str]:
-    """Trainable matrices decay (embeddings, projections), vectors (norm weights, biases) do not;
-    the rank read from ``ds_shape`` under ZeRO-3's partitioned construction."""
-    return [
-        name
-        for name, p in model.named_parameters()
-        if p.requires_grad and len(getattr(p, "ds_shape", None) or p.shape) >= 2
-    ]
-
-
 def _trainer_class() -> type:
     from transformers import Trainer
 
@@ -120,7 +110,7 @@ def _trainer_class() -> type:
             return RecipeSampler(len(dataset), self.recipe.train.seed, self.recipe.data.shuffle)
 
         def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
-            return _decay_names(model)
+            return decay_parameter_names(model)
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             """The Trainer's save on every rank, then one verdict: an I/O failure on any rank
