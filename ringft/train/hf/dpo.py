@@ -23,7 +23,7 @@ from typing import Any
 
 from trl import DPOTrainer
 
-from ringft.train.hf.checks import WHERE
+from ringft.train.hf.checks import WHERE, scoring_problems
 from ringft.train.hf.data import shard_loader_over_dp
 from ringft.train.hf.trl_ring import RingScoringMixin
 
@@ -36,14 +36,7 @@ def _dpo_problems(trainer: Any) -> list[str]:
         problems.append("compute_metrics needs the full logits, which the ring never builds: drop it")
     if getattr(trainer, "_is_vision_dataset", False):
         problems.append("vision datasets (images) cannot be sharded for the ring: use text pairs")
-    if getattr(trainer, "aux_loss_enabled", False):
-        problems.append(
-            "the MoE router auxiliary loss is not computed on the ring: set router_aux_loss_coef=0"
-        )
-    peft_config = getattr(trainer.model, "active_peft_config", None)
-    if getattr(peft_config, "is_prompt_learning", False):
-        problems.append("prompt-learning PEFT prepends virtual tokens to every shard: use LoRA")
-    return problems
+    return problems + scoring_problems(trainer)
 
 
 class RingDPOTrainer(RingScoringMixin, DPOTrainer):

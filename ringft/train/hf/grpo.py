@@ -38,7 +38,7 @@ import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOTrainer
 
 from ringft.ops.parallel import ParallelLayout
-from ringft.train.hf.checks import WHERE
+from ringft.train.hf.checks import WHERE, scoring_problems
 from ringft.train.hf.data import gather_over_dp
 from ringft.train.hf.fused import unwrap_engine
 from ringft.train.hf.trl_ring import RingScoringMixin, dp_gathers
@@ -63,14 +63,7 @@ def _grpo_problems(trainer: Any) -> list[str]:
         )
     if getattr(trainer, "_is_vlm", False):
         problems.append("vision-language models (images) cannot be sharded for the ring: use a text model")
-    if getattr(trainer, "aux_loss_enabled", False):
-        problems.append(
-            "the MoE router auxiliary loss is not computed on the ring: set router_aux_loss_coef=0"
-        )
-    peft_config = getattr(trainer.model, "active_peft_config", None)
-    if getattr(peft_config, "is_prompt_learning", False):
-        problems.append("prompt-learning PEFT prepends virtual tokens to every shard: use LoRA")
-    return problems
+    return problems + scoring_problems(trainer)
 
 
 def _dp_class(cls: type) -> type:
