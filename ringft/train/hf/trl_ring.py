@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ringft.ops.parallel import ParallelLayout
-from ringft.train.hf.data import _apply, gather_over_dp, shard_loader_over_dp
+from ringft.train.hf.data import _apply, gather_over_dp
 from ringft.train.hf.fused import install_ring_fused_head, unwrap_engine
 from ringft.train.hf.mixin import RingTrainerMixin
 
@@ -99,21 +99,9 @@ class RingScoringMixin(RingTrainerMixin):
         install_ring_fused_head(model, ring.layout, ring.pad_token_id)
 
     # -- data ------------------------------------------------------------------------------------
-    def _get_dataloader(
-        self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
-    ):
-        loader = super(RingTrainerMixin, self)._get_dataloader(
-            dataset,
-            description,
-            batch_size,
-            sampler_fn,
-            is_training=is_training,
-            dataloader_key=dataloader_key,
-        )
-        if self._ring is None:
-            return loader
-        collate = getattr(loader, "base_dataloader", loader).collate_fn  # whole batches: nothing sharded
-        return shard_loader_over_dp(loader, self._ring.layout, collate, description)
+    def _ring_collate(self, loader: Any, is_training: bool) -> Any:
+        """The Trainer's own collate function: whole batches on every CP rank, nothing sharded."""
+        return getattr(loader, "base_dataloader", loader).collate_fn
 
     def _ring_gathers(self) -> Any:
         return (
