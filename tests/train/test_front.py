@@ -90,7 +90,7 @@ def test_front_matches_one_process_and_resumes_exactly(tmp_path, data_path):
     assert_updates_close(
         final_weights(tmp_path / "front"), final_weights(tmp_path / "one"), initial_weights(one), UPDATE_RTOL
     )
-    # LoRA: B starts at zero (its update is its value); A starts from the same seeded draw
+    # LoRA: the B matrices, which start at zero (their update is their value)
     ring_b, one_b = final_weights(tmp_path / "frontL"), final_weights(tmp_path / "oneL")
     zeros = {k: torch.zeros_like(v) for k, v in one_b.items()}
     lora_b = [k for k in one_b if "lora_B" in k]
