@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = (1, args.seq)
     q, dout = (torch.randn(*shape, args.heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(*shape, args.kv_heads, args.head_dim, generator=gen).to(dtype) for _ in range(2))
-    shards = [
-        [cp_shard(t, r, args.world).contiguous() for r in range(args.world)] for t in (q, k, v, dout)
-    ]
+    shards = [[cp_shard(t, r, args.world).contiguous() for r in range(args.world)] for t in (q, k, v, dout)]
     layouts = {(0, False): None}
     for docs in args.docs:
         for balanced in (False, True) if docs > 1 else (False,):

@@ -8,7 +8,8 @@ AdamW on the adapters, on one sequence of ``--seq`` tokens:
   transformers' own loss on full logits;
 - ``ringft``: the same model switched to the ring (:func:`ringft.apply_ring_attention`, CP = 1 on a
   one-process group, backend ``--backend``), the batch from :class:`ringft.RingDataCollator`, the
-  chunked loss (:class:`ringft.loss.module.CausalLMLoss`): what ``ringft train`` runs per rank.
+  chunked loss (:class:`ringft.loss.module.CausalLMLoss`: the ``causal_lm_loss`` that ``ringft
+  train`` runs per rank).
 
 Tokens/s are the median over the steps after the first; the ratio is measured in one process, one
 after the other. One extra step of each run is profiled (``torch.profiler``) and its CUDA kernel time

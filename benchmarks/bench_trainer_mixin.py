@@ -7,7 +7,7 @@ path), one ring of 2 gloo processes (cp 2, dp 1), micro batch 1, AdamW lr 1e-4 c
 1.0, activation checkpointing, chunked loss (``--loss-chunk`` tokens). The three paths run the same
 optimizer steps on the same examples:
 
-- ``ringft train``: :class:`ringft.train.loop.Trainer` from a recipe;
+- ``ringft train``: :func:`ringft.train.front.build_trainer` from a recipe (its ``RecipeTrainer``);
 - ``Trainer + mixin``: ``RingTrainer(RingTrainerMixin, Trainer)`` with a padding collator;
 - ``SFTTrainer + mixin``: ``RingSFTTrainer(RingTrainerMixin, SFTTrainer)``, ``packing=True`` (each
   example fills a packed row: one document per row, padding-free).
@@ -91,8 +91,22 @@ def _dataset(n: int, seq: int):
     return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
+def _meter_callback(meter: StepMeter) -> Any:
+    """A Trainer callback that times each optimizer step with ``meter``."""
+    from transformers import TrainerCallback
+
+    class Meter(TrainerCallback):
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            meter.begin()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            meter.end()
+
+    return Meter()
+
+
 def _run_ringft(out: Path, data: Path, a: argparse.Namespace, meter: StepMeter) -> None:
-    from ringft.train.loop import Trainer
+    from ringft.train import front
     from ringft.train.recipe import recipe_from_dict
 
     raw = {
@@ -121,17 +135,13 @@ def _run_ringft(out: Path, data: Path, a: argparse.Namespace, meter: StepMeter) 
         "checkpoint": {"output_dir": str(out), "save_every": 0},
         "logging": {"tracker": "none"},
     }
-    trainer = Trainer(recipe_from_dict(raw), progress=False)
-    step = trainer.train_step
-
-    def timed(i: int):
-        meter.begin()
-        result = step(i)
-        meter.end()
-        return result
-
-    trainer.train_step = timed
-    trainer.run()
+    recipe = recipe_from_dict(raw)
+    trainer, folder = front.build_trainer(recipe, progress=False)
+    trainer.add_callback(_meter_callback(meter))
+    try:
+        front._run(trainer, folder, recipe)
+    finally:
+        folder.release()
 
 
 def _run_hf(kind: str, out: Path, a: argparse.Namespace, meter: StepMeter) -> None:
@@ -141,19 +151,11 @@ def _run_hf(kind: str, out: Path, a: argparse.Namespace, meter: StepMeter) -> No
         LlamaConfig,
         LlamaForCausalLM,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
     )
 
     from ringft import RingTrainerMixin
     from ringft.data.tokenizer import load_tokenizer
-
-    class Meter(TrainerCallback):
-        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-            meter.begin()
-
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            meter.end()
 
     tok = load_tokenizer("demo")
     torch.manual_seed(0)
@@ -176,7 +178,9 @@ def _run_hf(kind: str, out: Path, a: argparse.Namespace, meter: StepMeter) -> No
         seed=0,
         train_sampling_strategy="sequential",
     )
-    ring = dict(cp_size=2, attn_backend="torch", loss_chunk_size=a.loss_chunk, callbacks=[Meter()])
+    ring = dict(
+        cp_size=2, attn_backend="torch", loss_chunk_size=a.loss_chunk, callbacks=[_meter_callback(meter)]
+    )
     data = _dataset(a.steps, a.seq)
     if kind == "sft":
         from trl import SFTConfig, SFTTrainer

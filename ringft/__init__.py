@@ -4,7 +4,7 @@ SmolLM3, Ministral 3, Mixtral, Qwen3-MoE) at very long context with exact zigzag
 
 The names below are the public API. The attention operator, sharding, the collator and the model
 patch import eagerly (torch + transformers only); the inference engine, the loss helpers and the
-trainer load on first use (the training loop itself is ``ringft.train.train``: ``ringft.train``
+trainer load on first use (``ringft train``'s Python entry is ``ringft.train.train``: ``ringft.train``
 is its package; ``RingTrainerMixin`` puts the ring into ``transformers.Trainer`` / TRL's
 ``SFTTrainer``, ``RingDPOTrainer`` / ``RingGRPOTrainer`` TRL's ``DPOTrainer`` / ``GRPOTrainer``: TRL
 is imported only then), so ``import ringft`` does not pull in accelerate, peft or datasets.

@@ -29,23 +29,9 @@ def _train(argv: list[str]) -> int:
         help="continue from the newest complete checkpoint (or from the checkpoint folder PATH)",
     )
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument(
-        "--engine",
-        choices=("trainer", "loop"),
-        default="trainer",
-        help="trainer (default): transformers.Trainer with RingTrainerMixin, HF checkpoint-N folders; "
-        "loop: ringft's own training loop (checkpoints/step-N folders)",
-    )
     args, overrides = parser.parse_known_args(argv)
-    from ringft.train import TrainError, load_recipe
+    from ringft.train import TrainError, load_recipe, train
 
-    if args.engine == "trainer":
-        from ringft.train.front import train
-    else:
-        from ringft.train import train
-
-        if isinstance(args.resume, str):
-            parser.error("--resume PATH is not supported by --engine loop (it resumes its newest checkpoint)")
     try:
         recipe = load_recipe(args.recipe, overrides)
         train(recipe, resume=args.resume, progress=not args.no_progress)

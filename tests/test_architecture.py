@@ -1,7 +1,7 @@
 """The package's layering, read from its own imports (``ast``), so the structure stays true.
 
 Layers, lowest first (docs/architecture.md). A module may import from a lower layer, or from its
-own package (``ringft.train.loop`` -> ``ringft.train.recipe``); never from a higher layer or from a
+own package (``ringft.train.front`` -> ``ringft.train.recipe``); never from a higher layer or from a
 sibling package of the same layer. Lazy imports inside functions count too.
 """
 
@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "ringft.data": 1,  # the CP collator, packing, line-retrieval text and records
     "ringft.model": 2,  # the transformers patch, model unwrapping, tiled MLP, RingInference
     "ringft.loss": 3,  # chunked LM loss and the step's normalisation
-    "ringft.train": 4,  # typed recipe, the Accelerate loop, checkpoints, integrations
+    "ringft.train": 4,  # typed recipe, the recipe front end over transformers.Trainer, the ring mixin
     "ringft.evals": 4,  # evaluations on the ring
     "ringft.planner": 4,  # memory model, `ringft plan`
     "ringft.cli": 5,

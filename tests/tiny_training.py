@@ -162,28 +162,8 @@ def assert_weights_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), f"{name} differs"
 
 
-@contextlib.contextmanager
-def in_process_trainer(raw: dict) -> Iterator[Any]:
-    """A one-process :class:`ringft.train.loop.Trainer` for ``raw``; on exit its run-folder lock is
-    released (idempotent: ``run()`` releases it too) and accelerate's process-global state reset,
-    so the next Trainer of the test process starts clean."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    from ringft.train.loop import Trainer
-
-    trainer = None
-    try:
-        trainer = Trainer(recipe_from_dict(raw), progress=False)
-        yield trainer
-    finally:
-        if trainer is not None:
-            trainer.lock.release()
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-
-
 class FrontRun:
-    """A one-process ``ringft train`` (the default engine: :mod:`ringft.train.front`) built and not
+    """A one-process ``ringft train`` (:mod:`ringft.train.front`) built and not
     yet run: ``model`` (the trainer's, LoRA-wrapped if the recipe asks), :meth:`run`."""
 
     def __init__(self, raw: dict):

@@ -53,8 +53,9 @@ def fresh_group(store_dir: str, index: int, rank: int, world: int) -> None:
 @contextlib.contextmanager
 def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
     """Writes of ``target`` on ``at_rank`` fail with ENOSPC: ``checkpoint`` (torch.save of a path
-    containing ``checkpoint_part``) or ``metrics`` (appends to metrics.jsonl)."""
-    from ringft.train import run_dir
+    containing ``checkpoint_part``) or ``metrics`` (appends to metrics.jsonl, which
+    :mod:`ringft.train.run_folder` writes)."""
+    from ringft.train import run_folder
 
     def enospc(path) -> OSError:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -72,57 +73,18 @@ def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
         return open(path, mode, *args, **kwargs)
 
     if rank == at_rank:
-        torch.save, run_dir.open = save, open_
+        torch.save, run_folder.open = save, open_
     try:
         yield
     finally:
         torch.save = real_save
-        run_dir.__dict__.pop("open", None)
+        run_folder.__dict__.pop("open", None)
 
 
-def inject_kill(trainer, spec: str, rank: int) -> None:
-    """SIGKILL this process at a point of the run: ``step:N:R`` (rank R, right after optimizer step N)
-    or ``save:N:R`` (rank R, inside the save of step N: after every rank wrote accelerate's state,
-    before trainer_state.json and the rename)."""
-    import signal
-
-    point, at_step, at_rank = spec.split(":")
-    if int(at_rank) != rank:
-        return
-
-    def die() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if point == "step":
-        train_step = trainer.train_step
-
-        def train_step_then_die(step: int):
-            out = train_step(step)
-            if step + 1 == int(at_step):
-                die()
-            return out
-
-        trainer.train_step = train_step_then_die
-    elif point == "save":
-        accelerator = trainer.accelerator
-        save_state = accelerator.save_state
-
-        def save_state_then_die(path: str, *args, **kwargs):
-            out = save_state(path, *args, **kwargs)
-            if Path(path).name == f"step-{int(at_step):08d}.tmp":
-                accelerator.wait_for_everyone()
-                die()
-            return out
-
-        accelerator.save_state = save_state_then_die
-    else:
-        raise ValueError(f"unknown kill point {spec!r}")
-
-
-def _front_kill(trainer, folder, spec: str, rank: int) -> None:
-    """:func:`inject_kill` for ``ringft train``'s default engine: ``step:N:R`` after optimizer step
-    N, ``save:N:R`` inside the save of step N (after every rank wrote ``checkpoint-N``, before its
-    ``ringft_run.json`` marks it complete)."""
+def inject_kill(trainer, folder, spec: str, rank: int) -> None:
+    """SIGKILL this process at a point of a ``ringft train`` run: ``step:N:R`` (rank R, right after
+    optimizer step N) or ``save:N:R`` (rank R, inside the save of step N: after every rank wrote
+    ``checkpoint-N``, before its ``ringft_run.json`` marks it complete)."""
     import signal
 
     from transformers import TrainerCallback
@@ -155,7 +117,7 @@ def _front_kill(trainer, folder, spec: str, rank: int) -> None:
         raise ValueError(f"unknown kill point {spec!r}")
 
 
-def _train_front(run: dict, rank: int) -> dict:
+def _train(run: dict, rank: int) -> dict:
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -165,7 +127,7 @@ def _train_front(run: dict, rank: int) -> dict:
     trainer, folder = front.build_trainer(recipe, resume=run.get("resume", False), progress=False)
     try:
         if run.get("kill"):
-            _front_kill(trainer, folder, run["kill"], rank)
+            inject_kill(trainer, folder, run["kill"], rank)
         if run.get("initial_adapter") and rank == 0:  # the LoRA weights a run starts from
             start_state = get_peft_model_state_dict(trainer.model)
             save_file(
@@ -177,30 +139,10 @@ def _train_front(run: dict, rank: int) -> dict:
     return {"losses": res.losses, "start_step": folder.start_step, "steps": res.steps}
 
 
-def _train_loop(run: dict, rank: int) -> dict:
-    from ringft.train.loop import Trainer
-
-    trainer = Trainer(recipe_from_dict(run["recipe"]), resume=run.get("resume", False), progress=False)
-    if run.get("kill"):
-        inject_kill(trainer, run["kill"], rank)
-    if run.get("initial_adapter") and rank == 0:  # the LoRA weights a run starts from
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        start_state = get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.wrapped).model)
-        save_file(
-            {k: v.detach().clone().contiguous() for k, v in start_state.items()}, run["initial_adapter"]
-        )
-    start = trainer.start_step
-    res = trainer.run()
-    return {"losses": res.losses, "start_step": start, "steps": res.steps}
-
-
 def train_runs(rank: int, world: int, runs: list[dict], store_dir: str) -> list[dict]:
-    """Train each of ``runs`` in turn: ``{"recipe": raw, "engine": "trainer" (default: ``ringft
-    train``'s) | "loop", "resume": bool | path, "kill": spec|None, "record": path|None,
-    "initial_adapter": path|None}``. Returns per run the losses, the step it started from and the
-    steps it ended at.
+    """Train each of ``runs`` in turn with ``ringft train``'s trainer: ``{"recipe": raw, "resume":
+    bool | path, "kill": spec|None, "record": path|None, "initial_adapter": path|None}``. Returns
+    per run the losses, the step it started from and the steps it ended at.
 
     ``record`` (rank 0) writes the result as JSON as soon as the run ends: a later run of the same
     call may be one that is meant to die, and then nothing is returned.
@@ -210,8 +152,7 @@ def train_runs(rank: int, world: int, runs: list[dict], store_dir: str) -> list[
     for i, run in enumerate(runs):
         if i:
             fresh_group(store_dir, i, rank, world)
-        train = _train_loop if run.get("engine", "trainer") == "loop" else _train_front
-        out = train(run, rank)
+        out = _train(run, rank)
         if run.get("record") and rank == 0:
             Path(run["record"]).write_text(json.dumps(out))
         results.append(out)

@@ -78,6 +78,21 @@ class CausalLMLoss(nn.Module):
         return loss * loss_scale if loss_scale != 1 else loss
 
 
+def _model_call(
+    input_ids: Tensor, cu_seqlens: list[list[int]] | None, offload_activations: bool
+) -> tuple[dict[str, Any], contextlib.AbstractContextManager]:
+    """The model call's document keyword (if any) and the context it runs in. Offload wraps only
+    the decoder, whose checkpointed layer inputs are what it is for (wrapping the loss too would copy
+    the lm_head weight to CPU every step)."""
+    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    offload = (
+        torch.autograd.graph.save_on_cpu(pin_memory=input_ids.is_cuda)
+        if offload_activations
+        else contextlib.nullcontext()
+    )
+    return documents, offload
+
+
 def causal_lm_loss(
     model: nn.Module,
     input_ids: Tensor,
@@ -118,14 +133,7 @@ def causal_lm_loss(
             router_rows=router_rows,
             router_scale=router_scale,
         )
-    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    # Offload wraps only the decoder, whose checkpointed layer inputs are what it is for
-    # (wrapping the loss too would copy the lm_head weight to CPU every step).
-    offload = (
-        torch.autograd.graph.save_on_cpu(pin_memory=input_ids.is_cuda)
-        if offload_activations
-        else contextlib.nullcontext()
-    )
+    documents, offload = _model_call(input_ids, cu_seqlens, offload_activations)
     if chunked:
         with offload:
             hidden = decoder(model)(
@@ -171,12 +179,7 @@ def _with_router_loss(
     """:func:`causal_lm_loss` of an LM whose forward adds the load-balancing loss: the token-loss
     share plus ``coef x aux / cp``. The unchunked path asks the LM for logits and router logits and
     applies its own ``loss_function`` (its forward would add an ``aux`` of this rank's rows only)."""
-    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    offload = (
-        torch.autograd.graph.save_on_cpu(pin_memory=input_ids.is_cuda)
-        if offload_activations
-        else contextlib.nullcontext()
-    )
+    documents, offload = _model_call(input_ids, cu_seqlens, offload_activations)
     call = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
     if chunked:
         with offload:

@@ -1,18 +1,18 @@
 """Training: the recipe schema and ``ringft train``, a recipe front end over ``transformers.Trainer``
-with :class:`ringft.train.hf.RingTrainerMixin` (CP x DP under Accelerate, DeepSpeed or FSDP).
+with :class:`ringft.train.hf.RingTrainerMixin` (CP x DP under Accelerate, DeepSpeed or FSDP: the
+Trainer and accelerate handle the distributed setup, ringft the ring, the loss and the run folder).
 
-Modules, one job each: ``recipe`` (typed schema) and ``fields`` (its checks), ``build`` (tokenizer,
-model config, model, optimizer groups), ``data`` (loading, checks, data order), ``front`` (recipe ->
-``TrainingArguments`` + trainer; :func:`train`), ``front_parts`` (dataset, sampler, collator, metrics
-callback), ``front_runs`` (the run folder: lock, checkpoint choice, export), ``front_launch``
-(DeepSpeed / precision settings), ``schedule``, ``errors``, ``hf/`` (the mixin). The former own loop
-(``loop``, ``integrations``, ``master_weights``, ``checkpoint``, ``run_dir``) runs with
-``ringft train --engine loop`` until its removal.
+Modules, one job each: ``recipe`` (typed schema) and ``fields`` (its checks), ``overrides``
+(command-line keys), ``build`` (tokenizer, model config, model, LoRA, decayed parameters), ``data``
+(loading, checks, eval split, epoch order), ``front`` (recipe -> ``TrainingArguments`` + trainer;
+:func:`train`), ``front_parts`` (dataset, sampler, collator, metrics callback), ``front_runs`` (the
+run folder: checkpoint choice and completion, recipe comparison on resume, export), ``run_folder``
+(its lock and ``metrics.jsonl``), ``front_launch`` (DeepSpeed / precision settings of the launch),
+``schedule``, ``errors``, ``hf/`` (the mixin and its TRL trainers).
 """
 
 from ringft.train.errors import RecipeError, TrainError
 from ringft.train.front import train
-from ringft.train.loop import Trainer
 from ringft.train.recipe import Recipe, load_recipe, recipe_from_dict
 from ringft.train.schedule import TrainResult
 
@@ -21,7 +21,6 @@ __all__ = [
     "RecipeError",
     "TrainError",
     "TrainResult",
-    "Trainer",
     "load_recipe",
     "recipe_from_dict",
     "train",

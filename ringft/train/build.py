@@ -1,5 +1,5 @@
 """Build what a recipe trains: tokenizer, model config (RoPE / context overrides), model, LoRA,
-optimizer parameter groups.
+the names of the parameters that decay.
 
 Everything that can be refused without the weights is refused here before they load: a tokenizer
 larger than the model's embedding, a RoPE type that is not exact under CP, a sliding window the
@@ -27,9 +27,8 @@ __all__ = [
     "add_lora",
     "build_model",
     "build_tokenizer",
-    "decay_parameter_groups",
+    "decay_parameter_names",
     "model_config",
-    "prepare_for_training",
 ]
 
 
@@ -171,50 +170,6 @@ def build_model(recipe: Recipe, vocab_size: int | None = None, config: Any = Non
     )
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Per-layer non-reentrant activation checkpointing, by transformers' current name for it."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def prepare_for_training(model: nn.Module, recipe: Recipe, cp_group: Any) -> nn.Module:
-    """Checkpointing, the ring, the tiled MLP, the fused and tiled norms, and LoRA, in that order;
-    returns the model.
-
-    ``cp_group``: the CP process group, or the run's layout (``build_layout``: with
-    ``parallel.ulysses_size > 1`` the attention runs Ulysses x ring)."""
-    from ringft.model.patch import apply_ring_attention
-
-    t = recipe.train
-    if t.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-    apply_ring_attention(
-        model,
-        cp_group,
-        recipe.model.attn_backend,
-        attention_tile_tokens=t.attention_tile_tokens,
-        attention_checkpoint=t.attention_checkpoint,
-    )
-    if t.tiled_mlp_tokens:
-        from ringft.model.tiled_mlp import enable_tiled_mlp
-
-        enable_tiled_mlp(model, tile_tokens=t.tiled_mlp_tokens)
-    if t.fused_rmsnorm:  # before the tiled norm, which then tiles the fused forward
-        from ringft.model.fused_rmsnorm import enable_fused_rmsnorm
-
-        enable_fused_rmsnorm(model)
-    if t.tiled_norm_tokens:
-        from ringft.model.tiled_norm import enable_tiled_norm
-
-        enable_tiled_norm(model, tile_tokens=t.tiled_norm_tokens)
-    model = add_lora(model, recipe)
-    model.train()
-    return model
-
-
 def add_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     """The model with the recipe's LoRA adapter (peft; the model itself without ``lora``)."""
     if recipe.lora is None:
@@ -252,17 +207,15 @@ def _check_lora_targets(model: nn.Module, targets: list[str]) -> None:
         )
 
 
-def decay_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups of the trainable parameters: matrices (embeddings, projections) decay, vectors
-    (norm weights, biases) do not.
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """The trainable parameters AdamW decays: matrices (embeddings, projections), not vectors (norm
+    weights, biases).
 
     The rank is read from ``ds_shape`` when present: under DeepSpeed's ``zero.Init`` every parameter
     is a 1-D partition, and its ``shape`` would put everything into the no-decay group.
     """
-    decay, no_decay = [], []
-    for _, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        shape = getattr(param, "ds_shape", None) or param.shape
-        (decay if len(shape) >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and len(getattr(p, "ds_shape", None) or p.shape) >= 2
+    ]

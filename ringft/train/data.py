@@ -1,4 +1,4 @@
-"""The training data: load, check once, and the deterministic order in which replicas read it.
+"""The training data: load, check once, hold out an eval split, and the seeded order of each epoch.
 
 Checks at load time, on every rank, before any model is loaded (one vectorised pass over the Arrow
 columns, no per-row Python: ``pyarrow.compute.list_value_length`` reads only the row offsets, and the
@@ -22,11 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringft.ops.parallel import ParallelLayout
 from ringft.train.errors import RecipeError
 from ringft.train.recipe import Recipe
 
-__all__ = ["TrainingData", "example_indices", "held_out_rows", "load_training_data", "split_eval_data"]
+__all__ = [
+    "TrainingData",
+    "check_rows",
+    "epoch_permutation",
+    "held_out_rows",
+    "load_training_data",
+    "split_eval_data",
+]
 
 IGNORE_INDEX = -100
 PADDING_WARN_FRACTION = 0.5  # warn when more than half of every batch would be padding
@@ -279,23 +285,3 @@ def load_training_data(recipe: Recipe, tokenizer: Any, vocab_size: int) -> Train
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The recipe's shuffled order of ``n`` examples in ``epoch``: ``(n,)`` int64, the same on every rank."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-
-
-def example_indices(step: int, micro: int, layout: ParallelLayout, recipe: Recipe, n: int) -> list[int]:
-    """Deterministic data order: examples of replica ``dp_rank`` for (optimizer step, micro-step).
-
-    The stream is a seeded permutation per epoch, concatenated; resuming at a step needs no replay.
-    Per optimizer step the replicas (x micro-steps) read exactly the ``dp * micro_batch * grad_accum``
-    examples one process reads with that micro batch; all CP ranks of a replica read the same.
-    """
-    t = recipe.train
-    per_micro = layout.dp_size * t.micro_batch_size
-    start = ((step * t.grad_accum + micro) * per_micro) + layout.dp_rank * t.micro_batch_size
-    out = []
-    for pos in range(start, start + t.micro_batch_size):
-        epoch, offset = divmod(pos, n)
-        if recipe.data.shuffle:
-            out.append(int(epoch_permutation(n, t.seed, epoch)[offset]))
-        else:
-            out.append(offset)
-    return out

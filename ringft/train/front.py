@@ -3,7 +3,7 @@
 
 The recipe becomes ``TrainingArguments`` (:func:`training_arguments`) and a :class:`RecipeTrainer`
 (the mixin over ``Trainer``, with the recipe's data order, optimizer groups and learning-rate
-schedule). Order of work, as before: everything that can be refused is checked first on every rank
+schedule). Order of work: everything that can be refused is checked first on every rank
 (recipe vs world size, tokenizer vs model config, the data), then the output folder is locked and
 the checkpoint to resume from is chosen and compared with the recipe, and only then is the model
 loaded. A refused run writes nothing.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ringft.ops.validate import PeerFailed, run_together
-from ringft.train.build import add_lora, build_model, build_tokenizer, model_config
+from ringft.train.build import add_lora, build_model, build_tokenizer, decay_parameter_names, model_config
 from ringft.train.data import load_training_data, split_eval_data
 from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
 from ringft.train.front_launch import model_construction, prepare_launch
@@ -105,17 +105,6 @@ def training_arguments(
     return (arguments_class or TrainingArguments)(**{**values, **extra})
 
 
-def _decay_names(model: torch.nn.Module) -> list[str]:
-    """Trainable matrices decay (embeddings, projections), vectors (norm weights, biases) do not;
-    the rank read from ``ds_shape`` under ZeRO-3's partitioned construction. Call it on the model
-    before ``prepare`` (FSDP1 then flattens each parameter into its shard)."""
-    return [
-        name
-        for name, p in model.named_parameters()
-        if p.requires_grad and len(getattr(p, "ds_shape", None) or p.shape) >= 2
-    ]
-
-
 def _unwrapped_name(name: str) -> str:
     """A parameter's name in the model without FSDP1's wrappers."""
     return name.replace("_fsdp_wrapped_module.", "")
@@ -131,7 +120,7 @@ def _trainer_class(base: type) -> type:
         def __init__(self, *args: Any, recipe: Recipe, **kwargs: Any):
             self.recipe = recipe
             super().__init__(*args, **kwargs)
-            self._decay = set(_decay_names(self.model))  # (the optimizer is built after prepare)
+            self._decay = set(decay_parameter_names(self.model))  # (the optimizer is built after prepare)
 
         def _get_train_sampler(self, train_dataset: Any = None) -> Any:
             dataset = train_dataset if train_dataset is not None else self.train_dataset

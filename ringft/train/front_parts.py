@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 from ringft.data.collator import RingDataCollator
 from ringft.train.data import epoch_permutation
 from ringft.train.recipe import Recipe
-from ringft.train.run_dir import MetricsFile
+from ringft.train.run_folder import MetricsFile
 from ringft.train.schedule import peak_memory_gb
 
 __all__ = ["MetricsCallback", "RecipeDataset", "RecipeSampler", "whole_batch_collator"]

@@ -6,7 +6,7 @@ RNG states, ``trainer_state.json``). After each is complete the main process wri
 ``ringft_run.json`` into it (the recipe, the world size, dp): a checkpoint without it was cut off
 mid-save and is never resumed from. ``--resume`` continues the newest checkpoint (refusing a damaged
 newest one, naming the newest complete one), ``--resume PATH`` a given one; a recipe that would
-change the data order or the model is refused (:func:`ringft.train.checkpoint.compare_recipes`).
+change the data order or the model is refused (:func:`compare_recipes`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,33 @@ from pathlib import Path
 from typing import Any
 
 from ringft.ops.validate import PeerFailed, run_together
-from ringft.train.checkpoint import compare_recipes
 from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
 from ringft.train.recipe import Recipe
-from ringft.train.run_dir import MetricsFile, OutputDirLock
+from ringft.train.run_folder import MetricsFile, OutputDirLock
 
-__all__ = ["RUN_FILE", "RunFolder", "checkpoint_folders", "export_final", "intact_note", "push_export"]
+__all__ = [
+    "RUN_FILE",
+    "RunFolder",
+    "checkpoint_folders",
+    "compare_recipes",
+    "export_final",
+    "intact_note",
+    "push_export",
+]
 
 RUN_FILE = "ringft_run.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# Recipe keys that change the data order, the model or the optimizer's state layout: a resumed run
+# with another value would not continue the checkpointed run exactly (refused).
+EXACT_KEYS = ("model.", "data.", "train.micro_batch_size", "train.grad_accum", "train.seed", "lora")
+# Compared for nothing: where the run writes, how it logs, which attention kernel computes the ring.
+IGNORED_KEYS = ("checkpoint.output_dir", "logging.", "model.attn_backend")
+# Warned with the reason the run still continues: the data order depends on dp (not on how a CP
+# group is split) and the weights do not depend on the layout at all.
+CARRIED_OVER = {
+    "parallel.ulysses_size": "weights, optimizer state and data order carry over: the split of a CP group "
+    "only moves tokens between the ranks of a replica (sums reorder at fp32 round-off)",
+}
 
 
 def checkpoint_folders(output_dir: str | Path) -> list[Path]:
@@ -58,6 +76,39 @@ def intact_note(output_dir: str | Path) -> str:
         if complete
         else "no earlier checkpoint was touched"
     )
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def compare_recipes(saved: dict[str, Any], state: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(refused, warned)`` differences between a checkpoint's ``ringft_run.json`` (``saved``) and
+    this run's ``state`` (same keys: ``recipe``, ``world_size``, ``dp_size``), as ``key a -> b``.
+
+    Refused: the world size / dp (they set the data order) and :data:`EXACT_KEYS`. Warned: the rest,
+    e.g. ``train.lr`` or ``train.max_steps``.
+    """
+    refused, warned = [], []
+    for key in ("world_size", "dp_size"):
+        if key in saved and saved[key] != state[key]:
+            refused.append(f"{key.replace('_', ' ')} {saved[key]} -> {state[key]}")
+    if not saved.get("recipe"):
+        return refused, warned
+    old, new = _flat(saved["recipe"]), _flat(state["recipe"])
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "unset"), new.get(key, "unset")
+        if key.startswith(IGNORED_KEYS) or a == b:
+            continue
+        note = f" ({CARRIED_OVER[key]})" if key in CARRIED_OVER else ""
+        (refused if key.startswith(EXACT_KEYS) else warned).append(f"{key} {a!r} -> {b!r}{note}")
+    return refused, warned
 
 
 def _newest_complete(output_dir: Path) -> Path | None:
@@ -101,12 +152,12 @@ class RunFolder:
         }
 
     def _choose(self, resume: bool | str) -> tuple[Path | None, list[str]]:
-        loop_steps = sorted((self.out / "checkpoints").glob("step-*"))
-        if loop_steps:
+        old_steps = sorted((self.out / "checkpoints").glob("step-*"))
+        if old_steps:
             raise RecipeError(
-                f"checkpoint.output_dir {str(self.out)!r} holds checkpoints of ringft's own loop "
-                f"({loop_steps[-1].relative_to(self.out)}): continue that run with --engine loop --resume, "
-                "or choose another checkpoint.output_dir for a run of the default engine"
+                f"checkpoint.output_dir {str(self.out)!r} holds checkpoints of an older ringft "
+                f"({old_steps[-1].relative_to(self.out)}), which this version cannot resume: choose "
+                "another checkpoint.output_dir"
             )
         if not resume:
             existing = checkpoint_folders(self.out)

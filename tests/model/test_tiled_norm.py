@@ -74,12 +74,12 @@ def test_tiled_norm_refusals(tmp_path, monkeypatch):
         enable_tiled_norm(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="tile_tokens"):
         enable_tiled_norm(family_model("llama3", torch.float32), tile_tokens=0)
-    from ringft.train.integrations import make_accelerator
+    from ringft.train.front_launch import prepare_launch
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     recipe = recipe_from_dict(tiny_recipe(tmp_path / "o", tmp_path, train={"tiled_norm_tokens": 64}))
     with pytest.raises(RecipeError, match="tiled_norm_tokens is not supported under DeepSpeed"):
-        make_accelerator(recipe)
+        prepare_launch(recipe, is_main=True)
 
 
 @pytest.mark.timeout(300)

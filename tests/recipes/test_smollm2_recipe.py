@@ -165,9 +165,9 @@ def _train_worker(rank: int, world: int, recipe: str, overrides: list[str]) -> l
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from ringft.train.loop import Trainer
+    from ringft.train import train
 
-    return Trainer(load_recipe(recipe, overrides, world_size=world), progress=False).run().losses
+    return train(load_recipe(recipe, overrides, world_size=world), progress=False).losses
 
 
 @pytest.mark.timeout(240)

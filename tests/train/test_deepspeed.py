@@ -6,7 +6,7 @@ construction (the shipped ``zero3_init_flag: true``), the engine's own gradient 
 clipping, the partitioned ``lm_head`` read by the chunked loss through its module hooks (gathered
 once per forward), weight decay on the partitioned matrices, DeepSpeed checkpoints (the Trainer's
 ``checkpoint-N/global_stepN``, complete once ``ringft_run.json`` is written), and the gathered state
-dict at export. Every run, the references too, goes through ``ringft train``'s default engine
+dict at export. Every run, the references too, goes through ``ringft train``
 (transformers' Trainer with the ring mixin).
 
 Oracle: the same recipe on one plain process (no DeepSpeed, no ring, full-logits loss) with the
@@ -246,7 +246,7 @@ def test_zero3_matches_one_process_and_resumes(tmp_path, data_path, model_dir, r
 def test_zero3_cpu_offload_matches_one_process(tmp_path, data_path, model_dir, references):
     """ZeRO-3 with optimizer and parameters offloaded to CPU memory (DeepSpeedCPUAdam, which
     accelerate swaps in for AdamW; the learning-rate schedule must reach it): dp=1 x cp=2, micro 2
-    x grad_accum 2 == one process with micro 4. Run through the default engine (transformers'
+    x grad_accum 2 == one process with micro 4. Run through ``ringft train`` (transformers'
     Trainer with the ring mixin; the recipe's accumulation and clipping replace the launch
     config's)."""
     ref_losses, ref_weights = _reference_losses(references, 0), final_weights(references / "one")

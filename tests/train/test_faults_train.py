@@ -4,11 +4,12 @@ Multi-process part: one ``run_distributed`` call (2 gloo ranks, hard timeout) wa
 - bad inputs, each launched through ``ringft.cli.main`` on both ranks: the run must end on *every*
   rank with exit code 2 and one line naming the value and the fix, before the model is loaded (the
   worker replaces the model builder by a tripwire) and without writing anything;
-- faults: a full disk (ENOSPC, simulated by patching the writes) while rank 1 saves a checkpoint and
+- faults: a full disk (ENOSPC, simulated by patching the writes) while rank 1 saves checkpoint-2 and
   while rank 0 appends to metrics.jsonl. The failing rank reports one line naming the path and "no
   space left on device"; the other rank's next collective fails at once (no hang); the previous
-  checkpoint stays complete. Between faults the worker opens a fresh process group.
-In-process part: the pieces (data checks, checkpoint choice, lock, metrics rewrite) one by one.
+  checkpoint stays the one to resume from. Between faults the worker opens a fresh process group.
+In-process part: the pieces (data checks, recipe comparison on resume, lock, metrics rewrite) one by
+one.
 """
 
 from __future__ import annotations
@@ -58,18 +59,11 @@ def _listing(root: Path) -> list[tuple[str, int, int]]:
     return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
-def _fake_checkpoint(
-    out: Path, step: int, recipe: dict, files: dict[str, int] | None = None, state=True
-) -> Path:
-    """A loop checkpoint (``checkpoints/step-N``; ``state``: its trainer_state.json written)."""
+def _older_ringft_checkpoint(out: Path, step: int) -> Path:
+    """A checkpoint folder of an older ringft (``checkpoints/step-N``), which this one cannot resume."""
     folder = out / "checkpoints" / f"step-{step:08d}"
     folder.mkdir(parents=True)
-    for name, size in (files or {}).items():
-        (folder / name).write_bytes(b"x" * size)
-    if state:
-        (folder / "trainer_state.json").write_text(
-            json.dumps({"step": step, "recipe": recipe, "world_size": 2, "dp_size": 2, "files": files or {}})
-        )
+    (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
     return folder
 
 
@@ -111,17 +105,17 @@ def _run_bad_input(case: dict) -> dict:
 def _run_fault(case: dict, rank: int) -> dict:
     """Train under an injected full disk. The rank that meets it exits (``os._exit``) right after
     recording its error, as ``ringft train`` would; the other rank must then fail at once."""
-    from ringft.train.loop import Trainer
+    from ringft.train import front
     from ringft.train.recipe import recipe_from_dict
 
     out = io.StringIO()
     result: dict = {"error": None}
     with (
-        full_disk(case["target"], rank, case["at_rank"], "step-00000002.tmp"),
+        full_disk(case["target"], rank, case["at_rank"], "checkpoint-2"),
         contextlib.redirect_stdout(out),
     ):
         try:
-            Trainer(recipe_from_dict(case["raw"]), progress=False).run()
+            front.train(recipe_from_dict(case["raw"]), progress=False)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             result = {"error": type(exc).__name__, "message": str(exc), "at": time.time()}
     result["stdout"] = out.getvalue()
@@ -169,7 +163,7 @@ def _write(path: Path, raw: dict) -> str:
 @pytest.mark.timeout(300)
 def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
     from ringft.train.recipe import recipe_from_dict
-    from ringft.train.run_dir import OutputDirLock
+    from ringft.train.run_folder import OutputDirLock
 
     good = _save_rows(tmp_path / "good", _short_rows())
     long_rows = _save_rows(tmp_path / "long", _short_rows()[:5] + [list(range(3, 103))])
@@ -275,9 +269,9 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
         True,
     )
     bad("fresh_over", recipe("changed"), ["already holds checkpoints", "pass --resume"], [], True)
-    loop_run = tmp_path / "loop_run"
-    _fake_checkpoint(loop_run, 2, recipe_from_dict(recipe("loop_run")).to_dict())
-    bad("loop_run", recipe("loop_run"), ["checkpoints/step-00000002", "--engine loop"], ["--resume"], True)
+    _older_ringft_checkpoint(tmp_path / "older", 2)
+    older = ["checkpoints/step-00000002", "older ringft", "cannot resume", "another checkpoint.output_dir"]
+    bad("older", recipe("older"), older, ["--resume"], True)
     held = tmp_path / "held"
     held.mkdir()
     bad("held", recipe("held"), ["is in use by another ringft run"], [], True)
@@ -290,7 +284,7 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
             "target": "checkpoint",
             "at_rank": 1,
             "raw": recipe(
-                "ckpt_enospc", train={"max_steps": 2, "warmup_steps": 0}, checkpoint={"save_every": 1}
+                "ckpt_enospc", train={"max_steps": 3, "warmup_steps": 0}, checkpoint={"save_every": 1}
             ),
         }
     )
@@ -331,16 +325,20 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
             f"{name}: something was written"
         )
 
-    # full disk while rank 1 saves the step-2 checkpoint: one line on rank 1, rank 0 ends at once
-    from ringft.train.checkpoint import missing_files, resume_point
+    # full disk while rank 1 saves checkpoint-2: one line on rank 1, rank 0 ends at once
+    from ringft.train.errors import RecipeError
+    from ringft.train.front_runs import RunFolder
 
     r0, r1 = (results["ckpt_enospc"] for results in ranks)
     assert r1["error"] == "TrainError", r1
-    assert "step-00000002.tmp" in r1["message"] and "no space left on device" in r1["message"]
-    assert "step-00000001 is intact" in r1["message"] and "\n" not in r1["message"]
+    assert "checkpoint-2" in r1["message"] and "no space left on device" in r1["message"]
+    assert "checkpoint-1 is intact" in r1["message"] and "\n" not in r1["message"]
     assert r0["error"] is not None and abs(r0["at"] - r1["at"]) < 10, (r0, r1)  # no hang
-    out = tmp_path / "ckpt_enospc"
-    assert resume_point(out) == out / "checkpoints" / "step-00000001" and not missing_files(resume_point(out))
+    # the cut-off checkpoint-2 is never resumed from: --resume names it and the complete checkpoint-1
+    (ckpt_case,) = [c for c in cases if c["name"] == "ckpt_enospc"]
+    folder = RunFolder(recipe_from_dict(ckpt_case["raw"]), world_size=2)
+    with pytest.raises(RecipeError, match="checkpoint-2 is damaged .* newest complete one is .*checkpoint-1"):
+        folder.claim(True, is_main=True)
     # the mostly-padding warning: once, on the main process only, with the figures
     assert len(re.findall(r"about \d+% of each batch is padding", r0["stdout"])) == 1, r0["stdout"]
     assert "padding" not in r1["stdout"]
@@ -407,57 +405,37 @@ def test_label_range_and_padding_figures(tmp_path):
     )
 
 
-def test_checkpoint_choice_names_folders_and_what_they_lack(tmp_path):
-    from ringft.train.checkpoint import complete_checkpoints, resume_point
-    from ringft.train.errors import RecipeError
-
-    assert resume_point(tmp_path) is None  # no checkpoints/: a fresh start
-    _fake_checkpoint(tmp_path, 2, {}, state=False)
-    (tmp_path / "checkpoints" / "step-00000003.tmp").mkdir()  # a save cut short: never a checkpoint
-    with pytest.raises(
-        RecipeError, match=r"no checkpoint .* is complete \(step-00000002 lacks trainer_state.json\)"
-    ):
-        resume_point(tmp_path)
-    good = _fake_checkpoint(tmp_path, 4, {}, files={"optimizer.bin": 8})
-    assert resume_point(tmp_path) == good and complete_checkpoints(tmp_path) == [good]
-    cut = _fake_checkpoint(tmp_path, 6, {}, files={"model.safetensors": 8})
-    (cut / "model.safetensors").write_bytes(b"x" * 3)
-    with pytest.raises(
-        RecipeError,
-        match=r"step-00000006 is damaged \(it lacks model.safetensors \(cut: 3 of 8 "
-        r"bytes\)\); the newest complete one is .*step-00000004 \(step 4\)",
-    ):
-        resume_point(tmp_path)
-
-
 def test_resume_differences_refused_or_warned(tmp_path):
-    from ringft.train.checkpoint import check_resumable
-    from ringft.train.errors import RecipeError
+    """What a checkpoint's ringft_run.json and the resuming run may differ in (compare_recipes:
+    ``(refused, warned)``; RunFolder turns them into the refusal and the warning line)."""
+    from ringft.train.front_runs import compare_recipes
     from ringft.train.recipe import recipe_from_dict
 
+    def state(raw: dict, world: int = 2) -> dict:
+        return {"recipe": recipe_from_dict(raw).to_dict(), "world_size": world, "dp_size": world}
+
     raw = tiny_recipe(tmp_path / "out", tmp_path)
-    folder = _fake_checkpoint(tmp_path, 2, recipe_from_dict(raw).to_dict())
-    state = {"recipe": recipe_from_dict(raw).to_dict(), "world_size": 2, "dp_size": 2}
-    assert check_resumable(folder, state) == []
+    saved = {"step": 2, **state(raw)}
+    assert compare_recipes(saved, state(raw)) == ([], [])
     raw["train"]["lr"], raw["train"]["max_steps"] = 5e-4, 8
-    (warning,) = check_resumable(folder, {**state, "recipe": recipe_from_dict(raw).to_dict()})
-    assert "train.lr 0.001 -> 0.0005" in warning and "train.max_steps 4 -> 8" in warning
+    refused, warned = compare_recipes(saved, state(raw))
+    assert not refused and "train.lr 0.001 -> 0.0005" in warned and "train.max_steps 4 -> 8" in warned
     for key, value in [("micro_batch_size", 1), ("seed", 3), ("grad_accum", 2)]:
         changed = tiny_recipe(tmp_path / "out", tmp_path, train={key: value})
-        with pytest.raises(RecipeError, match=f"train.{key}"):
-            check_resumable(folder, {**state, "recipe": recipe_from_dict(changed).to_dict()})
-    with pytest.raises(RecipeError, match=r"world size 2 -> 4; dp size 2 -> 4"):
-        check_resumable(folder, {**state, "world_size": 4, "dp_size": 4})
+        refused, _ = compare_recipes(saved, state(changed))
+        assert [line for line in refused if line.startswith(f"train.{key}")], refused
+    refused, _ = compare_recipes(saved, state(tiny_recipe(tmp_path / "out", tmp_path), world=4))
+    assert refused == ["world size 2 -> 4", "dp size 2 -> 4"]
     # Another split of the same CP group: weights and data order carry over (warned, not refused).
     split = tiny_recipe(tmp_path / "out", tmp_path, parallel={"cp_size": 2, "ulysses_size": 2})
     same_cp = tiny_recipe(tmp_path / "out", tmp_path, parallel={"cp_size": 2})
-    folder = _fake_checkpoint(tmp_path, 6, recipe_from_dict(same_cp).to_dict())
-    (warning,) = check_resumable(folder, {**state, "recipe": recipe_from_dict(split).to_dict()})
+    refused, (warning,) = compare_recipes({"step": 6, **state(same_cp)}, state(split))
+    assert not refused
     assert "parallel.ulysses_size 1 -> 2 (weights, optimizer state and data order carry over" in warning
 
 
 def test_metrics_rewrite_after_resume(tmp_path):
-    from ringft.train.run_dir import MetricsFile
+    from ringft.train.run_folder import MetricsFile
 
     metrics = MetricsFile(tmp_path)
     for step in (1, 2, 3):
@@ -469,7 +447,7 @@ def test_metrics_rewrite_after_resume(tmp_path):
 
 
 def test_lock_is_exclusive_and_dies_with_its_process(tmp_path):
-    from ringft.train.run_dir import OutputDirLock
+    from ringft.train.run_folder import OutputDirLock
 
     first, second = OutputDirLock(tmp_path), OutputDirLock(tmp_path)
     assert first.acquire() is None
@@ -479,7 +457,7 @@ def test_lock_is_exclusive_and_dies_with_its_process(tmp_path):
     second.release()
     # a process that holds the lock and is killed (SIGKILL) releases it
     code = (
-        "import time; from ringft.train.run_dir import OutputDirLock; "
+        "import time; from ringft.train.run_folder import OutputDirLock; "
         f"OutputDirLock({str(tmp_path)!r}).acquire(); "
         "print('locked', flush=True); time.sleep(60)"
     )

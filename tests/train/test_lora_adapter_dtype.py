@@ -1,5 +1,5 @@
 """``lora.adapter_dtype``: fp32 adapters (peft's default) or adapters in the model's dtype with fp32
-master weights, on a bf16 model, trained by ``ringft train``'s default engine (transformers'
+master weights, on a bf16 model, trained by ``ringft train`` (transformers'
 Trainer with the ring mixin). The fp32-adapter run is the reference (peft's own default path)."""
 
 from __future__ import annotations

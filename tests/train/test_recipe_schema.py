@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ringft.train.recipe import RecipeError, apply_overrides, load_recipe, recipe_from_dict, validate
-from tests.tiny_training import in_process_trainer, tiny_recipe
+from tests.tiny_training import in_process_front, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,9 +196,9 @@ def test_launch_world_size_from_the_environment(tmp_path, monkeypatch):
 
 
 def _optimizer_betas(raw: dict) -> set[tuple[float, float]]:
-    """The betas of every parameter group of the AdamW a one-process Trainer builds for ``raw``."""
-    with in_process_trainer(raw) as trainer:
-        return {tuple(group["betas"]) for group in trainer.optimizer.param_groups}
+    """The betas of every parameter group of the AdamW a one-process ``ringft train`` builds for ``raw``."""
+    with in_process_front(raw) as run:
+        return {tuple(group["betas"]) for group in run.trainer.create_optimizer().param_groups}
 
 
 def test_valid_recipe_passes(tmp_path, data_path):

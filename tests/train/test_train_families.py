@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ringft.model.families import SUPPORTED_MODEL_TYPES, layer_windows
-from ringft.train.build import model_config, prepare_for_training
+from ringft.train.build import add_lora, model_config
 from ringft.train.recipe import MODEL_TYPES, RecipeError, recipe_from_dict
 from ringft.utils.spawn import run_distributed
 from tests.tiny_training import (
@@ -108,9 +108,9 @@ def test_lora_targets_are_checked_by_name(tmp_path):
     recipe = recipe_from_dict(raw)
     phi3 = AutoModelForCausalLM.from_config(model_config(recipe, tokenizer_size=300))
     with pytest.raises(RecipeError, match=r"\['q_proj', 'k_proj', 'v_proj'\] are not modules of this phi3"):
-        prepare_for_training(phi3, recipe, None)
+        add_lora(phi3, recipe)
     recipe.lora.target_modules = ["qkv_proj", "o_proj"]
-    trained = prepare_for_training(phi3, recipe, None)
+    trained = add_lora(phi3, recipe)
     assert sum(p.numel() for p in trained.parameters() if p.requires_grad) == 2 * 2 * (32 + 64 + 32 + 32)
 
 

@@ -1,4 +1,4 @@
-"""``ringft train`` (its default engine: transformers' Trainer with the ring mixin,
+"""``ringft train`` (transformers' Trainer with the ring mixin,
 :mod:`ringft.train.front`) end to end on gloo CPU processes: DP x CP equivalence, gradient
 accumulation, kill-and-resume (also mid-save), the document-offsets check at load, LoRA export.
 
@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringft.ops.parallel import ParallelLayout
 from ringft.train.recipe import RecipeError, recipe_from_dict
 from ringft.utils.spawn import run_distributed
 from tests.tiny_training import (
@@ -95,50 +94,6 @@ def _runs_then_lora(rank: int, world: int, runs: list[dict], store_dir: str, lor
     results = train_runs(rank, world, runs, store_dir)
     fresh_group(store_dir, len(runs), rank, world)
     return {"runs": results, "lora": _lora_worker(rank, world, lora_raw)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Data order
-# ---------------------------------------------------------------------------------------------
-
-
-def _layout(dp: int, cp: int, dp_rank: int, cp_rank: int = 0) -> ParallelLayout:
-    return ParallelLayout(dp * cp, dp_rank * cp + cp_rank, cp, dp, cp_rank, dp_rank)
-
-
-@pytest.mark.parametrize("dp,ga,shuffle", [(2, 1, True), (2, 2, True), (4, 3, False), (3, 2, True)])
-def test_example_indices_global_batch_matches_one_process(dp, ga, shuffle):
-    """Per optimizer step, the DP replicas (x grad-accum micro-steps) read exactly the examples one
-    process reads with ``micro_batch = dp * mb`` (and ``grad_accum = 1``), epochs included; all CP
-    ranks of a replica read the same examples."""
-    from ringft.train.data import example_indices
-
-    mb, n = 2, 13  # n is no multiple of the global batch: steps straddle epoch boundaries
-
-    def recipe(micro_batch, grad_accum):
-        return recipe_from_dict(
-            tiny_recipe(
-                "out",
-                None,
-                data={"path": None, "synthetic": {}, "shuffle": shuffle},
-                train={"micro_batch_size": micro_batch, "grad_accum": grad_accum},
-            )
-        )
-
-    many, one = recipe(mb, ga), recipe(dp * mb * ga, 1)
-    for step in range(7):
-        reference = example_indices(step, 0, _layout(1, 1, 0), one, n)
-        assert len(reference) == dp * mb * ga
-        got = []
-        for micro in range(ga):
-            for d in range(dp):
-                idx = example_indices(step, micro, _layout(dp, 2, d, 0), many, n)
-                assert idx == example_indices(step, micro, _layout(dp, 2, d, 1), many, n)
-                got.extend(idx)
-        assert sorted(got) == sorted(reference), f"step {step}: {got} vs {reference}"
-    # The stream is a permutation per epoch: the first n positions visit every example once.
-    seen = [i for s in range(n) for i in example_indices(s, 0, _layout(1, 1, 0), one, n)]
-    assert sorted(seen[:n]) == list(range(n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,23 +264,17 @@ def test_grad_accum_matches_larger_micro_batch(two_rank_runs, masked_data_path):
     add 0 to the denominator)."""
     import datasets
 
-    from ringft.train.data import example_indices
+    from ringft.train.data import epoch_permutation
 
     root, _, results = two_rank_runs
     accum, big = _accum_recipes(root, masked_data_path)
     labels = datasets.load_from_disk(masked_data_path)["labels"]
-    recipe, layout = recipe_from_dict(accum), _layout(1, 2, 0)
-    mixed = [  # steps where one micro-batch has targets and the other has none
+    seed = recipe_from_dict(accum).train.seed
+    order = epoch_permutation(len(labels), seed, 0).tolist()  # (STEPS x 2 rows < one epoch)
+    mixed = [  # steps where one micro-batch (one row, dp 1) has targets and the other has none
         step
         for step in range(STEPS)
-        if sorted(
-            all(
-                y == -100
-                for i in example_indices(step, micro, layout, recipe, len(labels))
-                for y in labels[i]
-            )
-            for micro in range(2)
-        )
+        if sorted(all(y == -100 for y in labels[order[2 * step + micro]]) for micro in range(2))
         == [False, True]
     ]
     assert mixed, "the data order must give a step with one micro-batch without any target"

@@ -13,6 +13,7 @@ __all__ = [
     "check_no_accelerate_cp",
     "check_tiled_norm",
     "check_trainer_options",
+    "scoring_problems",
 ]
 
 WHERE = "ringft.RingTrainerMixin"
@@ -120,3 +121,18 @@ def check_tiled_norm(trainer: Any) -> None:
             "partitioned weight in hooks of its own forward call, which a tile's recompute bypasses; drop "
             "it, or launch with an FSDP or DDP config"
         )
+
+
+def scoring_problems(trainer: Any) -> list[str]:
+    """What TRL's sequence-scoring trainers (DPO, GRPO) refuse alike on the ring: TRL's router
+    auxiliary loss (not computed on the ring) and prompt-learning PEFT (virtual tokens on
+    every shard)."""
+    problems = []
+    if getattr(trainer, "aux_loss_enabled", False):
+        problems.append(
+            "the MoE router auxiliary loss is not computed on the ring: set router_aux_loss_coef=0"
+        )
+    peft_config = getattr(trainer.model, "active_peft_config", None)
+    if getattr(peft_config, "is_prompt_learning", False):
+        problems.append("prompt-learning PEFT prepends virtual tokens to every shard: use LoRA")
+    return problems

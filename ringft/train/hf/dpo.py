@@ -23,9 +23,9 @@ from typing import Any
 
 from trl import DPOTrainer
 
-from ringft.train.hf.checks import WHERE
+from ringft.train.hf.checks import WHERE, scoring_problems
 from ringft.train.hf.data import shard_loader_over_dp
-from ringft.train.hf.trl_ring import RingScoringMixin, scoring_problems
+from ringft.train.hf.trl_ring import RingScoringMixin
 
 __all__ = ["RingDPOTrainer"]
 

@@ -38,10 +38,10 @@ import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOTrainer
 
 from ringft.ops.parallel import ParallelLayout
-from ringft.train.hf.checks import WHERE
+from ringft.train.hf.checks import WHERE, scoring_problems
 from ringft.train.hf.data import gather_over_dp
 from ringft.train.hf.fused import unwrap_engine
-from ringft.train.hf.trl_ring import RingScoringMixin, dp_gathers, scoring_problems
+from ringft.train.hf.trl_ring import RingScoringMixin, dp_gathers
 
 __all__ = ["RingGRPOTrainer"]
 

@@ -243,13 +243,16 @@ class RingTrainerMixin:
             is_training=is_training,
             dataloader_key=dataloader_key,
         )
-        return loader if self._ring is None else self._ring_loader(loader, description, is_training)
+        if self._ring is None:
+            return loader
+        return shard_loader_over_dp(
+            loader, self._ring.layout, self._ring_collate(loader, is_training), description
+        )
 
-    def _ring_loader(self, loader: Any, description: str, is_training: bool) -> Any:
-        """``loader`` read per DP replica, each batch sharded for this CP rank (labels kept whole
-        for evaluation)."""
+    def _ring_collate(self, loader: Any, is_training: bool) -> Any:
+        """The collate function of a ring dataloader: the Trainer's, then this rank's CP shard."""
         ring = self._ring
-        collate = RingCollate(
+        return RingCollate(
             loader.collate_fn,
             ring.layout.cp_rank,
             ring.layout.cp_size,
@@ -258,7 +261,6 @@ class RingTrainerMixin:
             count_pad_token_id=ring.count_pad_token_id,
             ulysses_size=ring.layout.ulysses_size,
         )
-        return shard_loader_over_dp(loader, ring.layout, collate, description)
 
     # -- training ----------------------------------------------------------------------------
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:

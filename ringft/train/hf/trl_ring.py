@@ -22,25 +22,11 @@ import torch
 import torch.distributed as dist
 
 from ringft.ops.parallel import ParallelLayout
-from ringft.train.hf.data import _apply, gather_over_dp, shard_loader_over_dp
+from ringft.train.hf.data import _apply, gather_over_dp
 from ringft.train.hf.fused import install_ring_fused_head, unwrap_engine
 from ringft.train.hf.mixin import RingTrainerMixin
 
-__all__ = ["RingScoringMixin", "dp_gathers", "reduce_over_dp", "scoring_problems"]
-
-
-def scoring_problems(trainer: Any) -> list[str]:
-    """What neither TRL scoring trainer (DPO, GRPO) can run on the ring: the MoE router loss (not
-    computed on the ring) and prompt-learning PEFT (virtual tokens prepended to every shard)."""
-    problems = []
-    if getattr(trainer, "aux_loss_enabled", False):
-        problems.append(
-            "the MoE router auxiliary loss is not computed on the ring: set router_aux_loss_coef=0"
-        )
-    peft_config = getattr(trainer.model, "active_peft_config", None)
-    if getattr(peft_config, "is_prompt_learning", False):
-        problems.append("prompt-learning PEFT prepends virtual tokens to every shard: use LoRA")
-    return problems
+__all__ = ["RingScoringMixin", "dp_gathers", "reduce_over_dp"]
 
 
 def _gather_dp(data: Any, layout: ParallelLayout) -> Any:
@@ -112,9 +98,9 @@ class RingScoringMixin(RingTrainerMixin):
         install_ring_fused_head(model, ring.layout, ring.pad_token_id)
 
     # -- data ------------------------------------------------------------------------------------
-    def _ring_loader(self, loader: Any, description: str, is_training: bool) -> Any:
-        collate = getattr(loader, "base_dataloader", loader).collate_fn  # whole batches: nothing sharded
-        return shard_loader_over_dp(loader, self._ring.layout, collate, description)
+    def _ring_collate(self, loader: Any, is_training: bool) -> Any:
+        """The Trainer's own collate function: whole batches on every CP rank, nothing sharded."""
+        return getattr(loader, "base_dataloader", loader).collate_fn
 
     def _ring_gathers(self) -> Any:
         return (

@@ -1,4 +1,5 @@
-"""The run's output folder: an exclusive lock for the run's lifetime, and ``metrics.jsonl``.
+"""The files of a run's output folder that are ringft's own: an exclusive lock for the run's
+lifetime (``.ringft.lock``) and ``metrics.jsonl`` (:class:`ringft.train.front_runs.RunFolder` uses both).
 
 Both are the main process's business (the other ranks never write here). Nothing is created before
 the run's inputs have been checked: a refused recipe leaves no folder behind.
