@@ -51,7 +51,6 @@ def _model(args):
 
     from ringft import apply_ring_attention
     from ringft.ops.dtypes import dtype_from_name
-    from ringft.train.build import enable_activation_checkpointing
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -65,7 +64,7 @@ def _model(args):
         use_cache=False,
     )
     model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype_from_name(args.dtype))
-    enable_activation_checkpointing(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     apply_ring_attention(model, None, args.backend, attention_checkpoint=args.mode)
     return model.train()
 

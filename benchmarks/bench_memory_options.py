@@ -4,8 +4,8 @@ measured on CPU: measured vs planned bytes per token of each option's peak DIFFE
 Model: a 2-layer LLaMA shaped like Llama-3-8B at reduced width (hidden 512 = 4 query heads / 1 K/V
 head of 128, intermediate 3.5 x hidden), built from config with random weights, run as ``ringft
 train`` runs it at CP 1: the fused RMSNorm, non-reentrant per-layer gradient checkpointing
-(``enable_activation_checkpointing``), ``apply_ring_attention`` (torch backend) with the option under
-test, the chunked loss; one forward + backward (no optimizer: weights and grads are in the baseline).
+(``activation_checkpointing_enable``, non-reentrant), ``apply_ring_attention`` (torch backend) with
+the option under test, the chunked loss; one forward + backward (no optimizer: weights and grads are in the baseline).
 
 Two parts:
 
@@ -123,7 +123,6 @@ def measure_step(args: argparse.Namespace, name: str) -> int:
     from ringft.loss import CausalLMLoss
     from ringft.model.fused_rmsnorm import enable_fused_rmsnorm
     from ringft.ops.dtypes import dtype_from_name
-    from ringft.train.build import enable_activation_checkpointing
 
     torch.set_num_threads(1)
     mode, tile = _options(args, name)
@@ -132,7 +131,7 @@ def measure_step(args: argparse.Namespace, name: str) -> int:
     model = LlamaForCausalLM(LlamaConfig(**config, use_cache=False))
     model.to(device=args.device, dtype=dtype_from_name(args.dtype))
     enable_fused_rmsnorm(model)
-    enable_activation_checkpointing(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     apply_ring_attention(model, None, "torch", attention_checkpoint=mode, attention_tile_tokens=tile)
     model.train()
     for p in model.parameters():  # resident grads: part of the baseline

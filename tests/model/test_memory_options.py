@@ -75,9 +75,8 @@ def _reference(batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def _ckpt(model: torch.nn.Module) -> torch.nn.Module:
-    from ringft.train.build import enable_activation_checkpointing
 
-    enable_activation_checkpointing(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
