@@ -139,6 +139,22 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def accelerate_launch(repo: Path, processes: int, port: int) -> list[str]:
+    """The command line up to the program: ``accelerate launch`` of ``processes`` gloo processes on
+    CPU with ``repo``'s launch config."""
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(repo / "recipes/accelerate/cpu_2proc.yaml"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(port),
+    ]
+
+
 def run_case(name: str, repo: Path, work: Path, port: int, extra: list[str]) -> dict[str, Any]:
     """Launch one case with ``repo``'s ringft; its losses, step times and peak memory."""
     import yaml
@@ -157,15 +173,7 @@ def run_case(name: str, repo: Path, work: Path, port: int, extra: list[str]) -> 
         recipe_path.write_text(yaml.safe_dump(raw))
     out = work / f"{name}-{port}"
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(repo / "recipes/accelerate/cpu_2proc.yaml"),
-        "--num_processes",
-        str(processes),
-        "--main_process_port",
-        str(port),
+        *accelerate_launch(repo, processes, port),
         "-m",
         "ringft",
         "train",

@@ -42,7 +42,7 @@ def _train(argv: list[str]) -> int:
     if args.engine == "trainer":
         from ringft.train.front import train
     else:
-        from ringft.train import train
+        from ringft.train.loop import train
 
         if isinstance(args.resume, str):
             parser.error("--resume PATH is not supported by --engine loop (it resumes its newest checkpoint)")

@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ringft.cli import COMMANDS, main
 from ringft.ops.helptext import plain
@@ -114,6 +115,21 @@ def test_a_folder_given_as_a_recipe(tmp_path):
     (tmp_path / "stage1.yaml").write_text("model: {}\n")
     with pytest.raises(RecipeError, match="is a folder: give a recipe YAML file.*stage1.yaml"):
         load_recipe(tmp_path)
+
+
+@pytest.mark.parametrize("engine", ["trainer", "loop"])
+def test_train_engine_flag_picks_the_engine(engine, tmp_path, monkeypatch):
+    """``--engine loop`` runs the own loop, the default the Trainer engine (no training here)."""
+    import ringft.train.front
+    import ringft.train.loop
+
+    ran = []
+    for module in (ringft.train.front, ringft.train.loop):
+        monkeypatch.setattr(module, "train", lambda recipe, module=module, **_: ran.append(module.__name__))
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    argv = ["train", str(path)] + (["--engine", engine] if engine == "loop" else [])
+    assert main(argv) == 0 and ran == [f"ringft.train.{'loop' if engine == 'loop' else 'front'}"]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
