@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,12 @@ def _worker(out: str, argv: list[str]) -> int:
 
     register_optimizer_step_post_hook(step_end)
     try:
-        return ringft_main(argv)
+        code = ringft_main(argv)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return code
     finally:
         import ringft
 
@@ -132,7 +138,11 @@ def run_one(
         "--no-progress",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+    for _ in range(2):  # once more after a failed launch (gloo's rare abort at process exit)
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode == 0:
+            break
+        shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{tag} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     cpu, wall = [], []
