@@ -5,7 +5,8 @@ Model: a 2-layer LLaMA shaped like Llama-3-8B at reduced width (hidden 512 = 4 q
 head of 128, intermediate 3.5 x hidden), built from config with random weights, run as ``ringft
 train`` runs it at CP 1: the fused RMSNorm, non-reentrant per-layer gradient checkpointing
 (``activation_checkpointing_enable``, non-reentrant), ``apply_ring_attention`` (torch backend) with
-the option under test, the chunked loss; one forward + backward (no optimizer: weights and grads are in the baseline).
+the option under test, the chunked loss; one forward + backward (no optimizer: weights and grads
+are in the baseline).
 
 Two parts:
 

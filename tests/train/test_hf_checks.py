@@ -146,3 +146,61 @@ def test_attention_checkpoint_is_refused_without_activation_checkpointing(tmp_pa
         trainer(model=LlamaForCausalLM(config), args=args, attention_checkpoint="save")
     with pytest.raises(ValueError, match=r"attention_checkpoint must be one of recompute, save, offload"):
         trainer(model=LlamaForCausalLM(config), args=args, attention_checkpoint=True)
+
+
+def test_flos_estimate_is_the_base_trainers():
+    """The mixin counts the parameters once; its estimate is transformers.Trainer's (no processes:
+    both methods read ``self.model`` only)."""
+    import torch
+    from transformers import Trainer
+
+    from ringft.train.hf.mixin import RingTrainerMixin
+    from tests.tiny_models import tiny_model
+
+    fake = SimpleNamespace(model=tiny_model("llama"), _ring=object(), _flos_parameters=None)
+    for inputs in ({"input_ids": torch.zeros(2, 48, dtype=torch.long)}, {"input_ids": torch.zeros(1, 8)}, {}):
+        mine = RingTrainerMixin.floating_point_ops(fake, inputs)
+        assert mine == Trainer.floating_point_ops(fake, inputs)
+    assert fake._flos_parameters == fake.model.num_parameters(exclude_embeddings=True) > 0
+
+
+def test_one_process_ddp_reduces_once_per_optimizer_step(tmp_path):
+    """accelerate wraps a lone CPU process in DDP, but its ``no_sync`` needs several processes: the
+    mixin's micro-step skips DDP's reduction until the step's last micro-step (the own loop's
+    order; the sums are the same, world 1)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ringft.train.hf.mixin import RingTrainerMixin
+
+    class Base:
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = model(inputs).sum()
+            loss.backward()
+            return loss.detach()
+
+    class Trainer(RingTrainerMixin, Base):
+        pass
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+        reduced: list[bool] = []
+        trainer = object.__new__(Trainer)  # the override reads these attributes only
+        trainer._ring = object()
+        trainer.accelerator = SimpleNamespace(use_distributed=False, sync_gradients=False)
+
+        def count(state, bucket):
+            reduced.append(trainer.accelerator.sync_gradients)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, count)
+        for last in (False, True, False, True):  # two optimizer steps of two micro-steps
+            trainer.accelerator.sync_gradients = last
+            trainer.training_step(ddp, torch.ones(3, 4))
+        assert reduced == [True, True]
+    finally:
+        dist.destroy_process_group()

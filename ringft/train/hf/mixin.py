@@ -19,9 +19,11 @@ off, so ``cp_size=1`` without memory options is the base class unchanged):
 - ``get_cp_size``: the CP size, so the Trainer's total batch size counts DP replicas;
 - ``_get_num_items_in_batch``: the step's denominator and loss scale, refused batches raised on
   every rank, token counters (:mod:`ringft.train.hf.steps`); ``_track_num_input_tokens`` reads them;
+- ``training_step``: under DDP in one process (CPU), gradients reduced once per optimizer step;
 - ``compute_loss``: ringft's chunked loss through the wrapped model, times the loss scale;
 - ``_load_optimizer_and_scheduler``: under FSDP, the optimizer's state exists before a sharded
   checkpoint is loaded into it (:mod:`ringft.train.hf.fsdp_resume`);
+- ``floating_point_ops``: the base class's estimate, the parameters counted once per run;
 - ``prediction_step`` / ``evaluation_loop``: eval loss over the CP group, logits gathered within CP
   and put back in sequence order (:func:`ringft.ops.sharding.cp_gather`), metrics gathered
   across DP only.
@@ -171,6 +173,7 @@ class RingTrainerMixin:
         as_integer(f"{WHERE}: tiled_norm_tokens", tiled_norm_tokens, 1, optional=True)
         self._master_weights = as_bool(f"{WHERE}: master_weights", master_weights)
         self._masters: Any = None
+        self._flos_parameters: int | None = None
         problem = _ulysses_problem(cp_size, ulysses_size, args, kwargs)
         problem = problem or attention_checkpoint_problem(attention_checkpoint, _training_args(args, kwargs))
         if problem:
@@ -284,6 +287,18 @@ class RingTrainerMixin:
         self._masters.gradients_to_masters()  # clip the exact fp32 gradients the optimizer steps
         return torch.nn.utils.clip_grad_norm_(self._masters.master_parameters(), self.args.max_grad_norm)
 
+    def floating_point_ops(self, inputs: dict) -> int:
+        """The base class's estimate, 6 x input tokens x non-embedding parameters, with the parameters
+        counted once (the base class walks every module and parameter on every micro-step)."""
+        if self._ring is None:
+            return super().floating_point_ops(inputs)
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if main not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self._flos_parameters is None:
+            self._flos_parameters = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main].numel() * self._flos_parameters
+
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         if self._ring is None:
             return super()._get_num_items_in_batch(batch_samples, device)
@@ -308,6 +323,20 @@ class RingTrainerMixin:
             return None
         self.state.num_input_tokens_seen += inputs[_TOKENS][1 if mode == "non_padding" else 0]
         return None
+
+    def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The base class's micro-step; under DDP in one process, the gradients are reduced on the
+        optimizer step's last micro-step only, as with several (accelerate wraps one CPU process in
+        DDP but its ``no_sync`` needs several)."""
+        if (
+            self._ring is not None
+            and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            and not self.accelerator.use_distributed
+            and not self.accelerator.sync_gradients
+        ):
+            with model.no_sync():
+                return super().training_step(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The ring's loss share of this rank (see :mod:`ringft.train.hf.steps` for the scale)."""
