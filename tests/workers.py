@@ -53,19 +53,26 @@ def fresh_group(store_dir: str, index: int, rank: int, world: int) -> None:
 @contextlib.contextmanager
 def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
     """Writes of ``target`` on ``at_rank`` fail with ENOSPC: ``checkpoint`` (torch.save of a path
-    containing ``checkpoint_part``) or ``metrics`` (appends to metrics.jsonl, which
-    :mod:`ringft.train.run_folder` writes)."""
+    containing ``checkpoint_part``), ``metrics`` (appends to metrics.jsonl, which
+    :mod:`ringft.train.run_folder` writes) or ``export`` (the weights of ``output_dir/final``)."""
     from ringft.train import run_folder
 
     def enospc(path) -> OSError:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    real_save = torch.save
+    import transformers.modeling_utils as modeling
+
+    real_save, real_safe_save = torch.save, modeling.safe_save_file
 
     def save(obj, f, *args, **kwargs):
         if target == "checkpoint" and checkpoint_part in str(f):
             raise enospc(f)
         return real_save(obj, f, *args, **kwargs)
+
+    def safe_save(tensors, filename, *args, **kwargs):
+        if target == "export" and "final" in Path(filename).parts:
+            raise enospc(filename)
+        return real_safe_save(tensors, filename, *args, **kwargs)
 
     def open_(path, mode="r", *args, **kwargs):
         if target == "metrics" and str(path).endswith("metrics.jsonl") and "a" in mode:
@@ -73,11 +80,11 @@ def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
         return open(path, mode, *args, **kwargs)
 
     if rank == at_rank:
-        torch.save, run_folder.open = save, open_
+        torch.save, run_folder.open, modeling.safe_save_file = save, open_, safe_save
     try:
         yield
     finally:
-        torch.save = real_save
+        torch.save, modeling.safe_save_file = real_save, real_safe_save
         run_folder.__dict__.pop("open", None)
 
 

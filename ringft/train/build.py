@@ -28,7 +28,9 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "decay_parameter_names",
+    "decayed_parameters",
     "model_config",
+    "unwrapped_name",
 ]
 
 
@@ -219,3 +221,32 @@ def decay_parameter_names(model: nn.Module) -> list[str]:
         for name, p in model.named_parameters()
         if p.requires_grad and len(getattr(p, "ds_shape", None) or p.shape) >= 2
     ]
+
+
+# wrappers accelerate may put around modules before the optimizer is built: FSDP1, its activation
+# checkpointing, torch.compile
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name in the model, without the wrappers' prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def decayed_parameters(model: nn.Module, decay: set[str], weight_decay: float) -> list[str]:
+    """The names in ``model`` (as wrapped when the optimizer is built) of the parameters in
+    ``decay`` (:func:`decay_parameter_names` of the model before wrapping). With ``weight_decay``
+    set, every one of them must be found: a wrapper that renames or flattens parameters (FSDP1
+    without ``use_orig_params``) would otherwise silently train without decay."""
+    names = [name for name, _ in model.named_parameters() if unwrapped_name(name) in decay]
+    missing = sorted(decay - {unwrapped_name(name) for name in names})
+    if weight_decay and missing:
+        raise RecipeError(
+            f"train.weight_decay={weight_decay}: {len(missing)} of the {len(decay)} matrices AdamW "
+            f"should decay are not parameters of the model the optimizer is built for (e.g. "
+            f"{missing[0]!r}); under FSDP1 set fsdp_use_orig_params: true in the launch config "
+            "(flattened parameters cannot be told apart), or set train.weight_decay: 0"
+        )
+    return names

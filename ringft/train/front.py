@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from ringft.ops.validate import PeerFailed, run_together
-from ringft.train.build import add_lora, build_model, build_tokenizer, decay_parameter_names, model_config
+from ringft.train.build import (
+    add_lora,
+    build_model,
+    build_tokenizer,
+    decay_parameter_names,
+    decayed_parameters,
+    model_config,
+)
 from ringft.train.data import load_training_data, split_eval_data
 from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
 from ringft.train.front_launch import model_construction, prepare_launch
@@ -105,11 +112,6 @@ def training_arguments(
     return (arguments_class or TrainingArguments)(**{**values, **extra})
 
 
-def _unwrapped_name(name: str) -> str:
-    """A parameter's name in the model without FSDP1's wrappers."""
-    return name.replace("_fsdp_wrapped_module.", "")
-
-
 @functools.cache
 def _trainer_class(base: type) -> type:
     """The ring trainer over ``base`` (``Trainer``, or TRL's ``SFTTrainer`` for ``data.format``)."""
@@ -121,13 +123,16 @@ def _trainer_class(base: type) -> type:
             self.recipe = recipe
             super().__init__(*args, **kwargs)
             self._decay = set(decay_parameter_names(self.model))  # (the optimizer is built after prepare)
+            # each tensor's dtype as loaded: the export puts back what FSDP's fp32 masters upcast
+            fsdp = self.is_fsdp_enabled
+            self.export_dtypes = {k: v.dtype for k, v in self.model.state_dict().items()} if fsdp else {}
 
         def _get_train_sampler(self, train_dataset: Any = None) -> Any:
             dataset = train_dataset if train_dataset is not None else self.train_dataset
             return RecipeSampler(len(dataset), self.recipe.train.seed, self.recipe.data.shuffle)
 
         def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
-            return [name for name, _ in model.named_parameters() if _unwrapped_name(name) in self._decay]
+            return decayed_parameters(model, self._decay, self.args.weight_decay)
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             """The Trainer's save on every rank, then one verdict: an I/O failure on any rank

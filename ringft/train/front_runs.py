@@ -28,6 +28,7 @@ __all__ = [
     "checkpoint_folders",
     "compare_recipes",
     "export_final",
+    "in_loaded_dtypes",
     "intact_note",
     "push_export",
 ]
@@ -240,13 +241,19 @@ class RunFolder:
         self.lock.release()
 
 
-def _in_model_dtype(state: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
-    """The gathered state in the recipe's ``model.dtype``: under a bf16 launch FSDP holds fp32
-    master weights, and the export is the model the user trained (bf16, as DDP and ZeRO-3 save it)."""
+def in_loaded_dtypes(state: dict[str, Any], dtypes: dict[str, Any]) -> dict[str, Any]:
+    """The gathered ``state`` with each floating tensor back in its dtype as loaded (``dtypes``: name
+    -> dtype, taken before the launch wrapped the model): a bf16 launch's FSDP holds fp32 masters,
+    and the export is the model the user trained, bf16 where it was bf16 and fp32 where it was
+    fp32 (LoRA adapters in fp32, a model's fp32-kept modules), as DDP and ZeRO-3 save it."""
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[recipe.model.dtype]
-    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}
+    def cast(name: str, value: Any) -> Any:
+        if not (torch.is_tensor(value) and value.is_floating_point()) or name not in dtypes:
+            return value
+        return value.to(dtypes[name])
+
+    return {k: cast(k, v) for k, v in state.items()}
 
 
 def export_final(trainer: Any, recipe: Recipe) -> Path:
@@ -256,29 +263,37 @@ def export_final(trainer: Any, recipe: Recipe) -> Path:
     this run's RoPE / context overrides, so the adapter is evaluated with the theta it was trained at.
 
     Under FSDP the full state dict is gathered whatever the launch's ``fsdp_state_dict_type``
-    (the Trainer's ``save_model`` writes no weights under ``SHARDED_STATE_DICT``) and saved in
-    ``model.dtype`` (the fp32 masters of a bf16 launch rounded once, as DDP / ZeRO-3 export them)."""
+    (the Trainer's ``save_model`` writes no weights under ``SHARDED_STATE_DICT``) and saved with each
+    tensor in its dtype as loaded (:func:`in_loaded_dtypes`)."""
     from ringft.model.patch import apply_ring_attention, remove_ring_attention, ring_spec
 
     final = Path(recipe.checkpoint.output_dir) / "final"
     model = trainer.accelerator.unwrap_model(trainer.model)  # (FSDP1 keeps its wrapper as trainer.model)
     spec = ring_spec(model)
     remove_ring_attention(model)
-    try:
-        if trainer.is_fsdp_enabled:
-            state = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every rank
+
+    def save() -> None:  # the gathers come first, the main process's writes last
+        try:
+            if trainer.is_fsdp_enabled:
+                state = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every rank
+                if trainer.args.process_index == 0:
+                    trainer._save(str(final), state_dict=in_loaded_dtypes(state, trainer.export_dtypes))
+            else:
+                trainer.save_model(str(final))
             if trainer.args.process_index == 0:
-                trainer._save(str(final), state_dict=_in_model_dtype(state, recipe))
-        else:
-            trainer.save_model(str(final))
-        if trainer.args.process_index == 0:
-            if hasattr(model, "get_base_model"):
-                model.get_base_model().config.save_pretrained(str(final))
-            (final / "ringft_recipe.json").write_text(json.dumps(recipe.to_dict(), indent=1, default=str))
-    except Exception as exc:  # noqa: BLE001 - I/O failures become one line, anything else propagates
-        if is_io_failure(exc):
-            raise io_error("the final model", final, exc) from exc
-        raise
+                if hasattr(model, "get_base_model"):
+                    model.get_base_model().config.save_pretrained(str(final))
+                text = json.dumps(recipe.to_dict(), indent=1, default=str)
+                (final / "ringft_recipe.json").write_text(text)
+        except Exception as exc:  # noqa: BLE001 - I/O failures become one line, anything else propagates
+            if is_io_failure(exc):
+                raise io_error("the final model", final, exc) from exc
+            raise
+
+    try:  # one verdict: a failed write on the main process ends every rank, naming the folder
+        run_together(save, share_message=True)
+    except PeerFailed as exc:
+        raise TrainError(f"writing the final model {final} failed on rank {exc.rank}: {exc}") from None
     if spec is not None:
         apply_ring_attention(
             model,

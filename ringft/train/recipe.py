@@ -143,7 +143,7 @@ class DataConfig(Section):
     # a datasets save_to_disk folder with input_ids (+ labels); with format also a .jsonl/.json/.parquet file
     path: str | None = text(None, optional=True)
     synthetic: SyntheticConfig | None = None  # or synthetic line-retrieval records
-    seq_len: int = integer(4096, lo=2)  # every batch is padded to this many tokens
+    seq_len: int = integer(4096, lo=2)  # batches padded to it (data.format: rows cut at it, TRL pads)
     shuffle: bool = boolean(True)
     too_long: str = choice("fail", ("fail", "truncate", "drop"))  # rows longer than seq_len
     # attention and targets stay inside each document of a packed row (rows carry cu_seqlens)

@@ -192,7 +192,9 @@ def option_field(name: str, default: Any) -> Any:
     """A ``dataclasses.field`` for a ``TrlParser`` / ``HfArgumentParser`` dataclass: the option's help,
     its choices, and its old flags (noted once when used) as aliases."""
     o = OPTIONS[name]
-    meta: dict[str, Any] = {"help": f"{o.help} (recipe {o.recipe_key})"}
+    # HfArgumentParser types the field by its annotation (an int): no "64k" spelling there
+    text = o.help.replace(_TOKENS, "; a count of tokens")
+    meta: dict[str, Any] = {"help": f"{text} (recipe {o.recipe_key})"}
     if o.old_flags:
         meta.update(aliases=list(o.old_flags), action=_Spelled, old=o.old_flags)
     if o.choices:

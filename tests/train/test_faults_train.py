@@ -135,7 +135,9 @@ def _faults_worker(rank: int, world: int, cases: list[dict], store_dir: str) -> 
         else:
             results[case["name"]] = _run_fault(case, rank)
         record.write_text(json.dumps(results))
-        if case["kind"] != "bad" and rank == case["at_rank"]:
+        if case["kind"] == "fault_kept":  # the run failed on every rank with one verdict: go on
+            fresh_group(store_dir, index, rank, world)
+        elif case["kind"] != "bad" and rank == case["at_rank"]:
             os._exit(3)
 
 
@@ -303,11 +305,21 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
     assert lock.acquire() is None  # another run holds the folder
     lock_file_before = _listing(held)
     metrics_case = cases.pop()  # a second call: a fault ends the call it happens in
+    # the final export's weights cannot be written on rank 0 (only it writes): every rank ends with
+    # one verdict and the group survives, so the metrics fault follows in the same call
+    export_case = {
+        "kind": "fault_kept",
+        "name": "export_enospc",
+        "target": "export",
+        "at_rank": 0,
+        "raw": recipe("export_enospc", train={"max_steps": 1, "warmup_steps": 0}),
+    }
     try:
         ranks = _faulty_run(cases, tmp_path / "store", failing_rank=1)
     finally:
         lock.release()
-    for rank, more in enumerate(_faulty_run([metrics_case], tmp_path / "store2", failing_rank=0)):
+    second = _faulty_run([export_case, metrics_case], tmp_path / "store2", failing_rank=0)
+    for rank, more in enumerate(second):
         ranks[rank].update(more)
 
     for case in cases:
@@ -342,6 +354,12 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
     # the mostly-padding warning: once, on the main process only, with the figures
     assert len(re.findall(r"about \d+% of each batch is padding", r0["stdout"])) == 1, r0["stdout"]
     assert "padding" not in r1["stdout"]
+
+    r0, r1 = (results["export_enospc"] for results in ranks)
+    assert r0["error"] == "TrainError" and "final" in r0["message"], r0
+    assert "no space left on device" in r0["message"] and "\n" not in r0["message"]
+    assert r1["error"] == "TrainError" and "failed on rank 0" in r1["message"], r1
+    assert abs(r0["at"] - r1["at"]) < 10, (r0, r1)
 
     r0, r1 = (results["metrics_enospc"] for results in ranks)
     assert r0["error"] == "TrainError" and "metrics.jsonl" in r0["message"], r0

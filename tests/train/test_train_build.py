@@ -208,3 +208,52 @@ def test_recipe_attention_tiles_reach_the_ring(tmp_path, short_data):
     raw = tiny_recipe(tmp_path / "out", short_data, train={"attention_tile_tokens": 48})
     with in_process_front(raw) as run:
         assert ring_spec(run.model).attention_tile_tokens == 48
+
+
+def test_decay_names_survive_wrappers_and_lost_matrices_are_refused(tmp_path):
+    """The decayed matrices are found again under the wrappers accelerate adds before the
+    optimizer is built (FSDP1's activation checkpointing renames every layer's parameters); a
+    wrapper that loses them (FSDP1's flat parameters) is refused while weight decay is on."""
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from ringft.train.build import decayed_parameters, unwrapped_name
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    decay = set(decay_parameter_names(model))
+    assert decay == {"0.weight", "2.weight"}
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+    names = decayed_parameters(model, decay, 0.1)
+    assert len(names) == 2 and all("_checkpoint_wrapped_module" in n for n in names), names
+    assert {unwrapped_name(n) for n in names} == decay
+    flat = nn.Linear(4, 4)  # parameters under other names: nothing of ``decay`` is there
+    with pytest.raises(RecipeError, match="fsdp_use_orig_params: true"):
+        decayed_parameters(flat, decay, 0.1)
+    assert decayed_parameters(flat, decay, 0.0) == []  # no decay: nothing to lose
+
+
+def test_fsdp_export_keeps_each_tensors_loaded_dtype_and_resume_needs_a_saved_state(tmp_path):
+    """FSDP's gathered fp32 masters go back to each tensor's dtype as loaded (bf16 weights, fp32
+    LoRA adapters and fp32-kept modules, integer buffers untouched); the FSDP1 optimizer state is
+    created for a resume only when the checkpoint holds one."""
+    from ringft.train.front_runs import in_loaded_dtypes
+    from ringft.train.hf.fsdp_resume import has_optimizer_state
+
+    state = {
+        "w": torch.randn(3, dtype=torch.float32),
+        "lora_A": torch.randn(3, dtype=torch.float32),
+        "steps": torch.arange(3),
+        "unknown": torch.randn(2),
+    }
+    dtypes = {"w": torch.bfloat16, "lora_A": torch.float32, "steps": torch.int64}
+    out = in_loaded_dtypes(state, dtypes)
+    assert {k: v.dtype for k, v in out.items()} == {
+        "w": torch.bfloat16,
+        "lora_A": torch.float32,
+        "steps": torch.int64,
+        "unknown": torch.float32,
+    }
+    assert torch.equal(out["w"], state["w"].to(torch.bfloat16)) and out["lora_A"] is state["lora_A"]
+    assert not has_optimizer_state(tmp_path)
+    (tmp_path / "optimizer_0").mkdir()
+    assert has_optimizer_state(tmp_path)

@@ -92,7 +92,8 @@ def test_flags_dests_and_help_come_from_the_table(command):
     for o in shared:
         action = actions[o.name]
         assert set(o.flags) | set(o.old_flags) <= set(action.option_strings), action.option_strings
-        assert action.help.startswith(o.help), (command, o.name, action.help)
+        table_help = o.help.split("; a count of tokens")[0]  # (TRL scripts: ints, no "64k")
+        assert action.help.startswith(table_help), (command, o.name, action.help)
         assert not o.choices or set(action.choices) <= set(o.choices)
 
 

@@ -6,16 +6,24 @@ no state, so the template is empty and AdamW would silently restart from zero mo
 :func:`materialize_optimizer_state` gives it its state first (as torch's distributed checkpoint does
 for FSDP2): one step on zero gradients at learning rate 0, which leaves every parameter bit-exact
 (AdamW's update and decay are both multiplied by the learning rate) and is then overwritten by the
-checkpoint's state.
+checkpoint's state (only when the checkpoint holds one: :func:`has_optimizer_state`, so a
+checkpoint without it leaves the optimizer as new).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["materialize_optimizer_state"]
+__all__ = ["has_optimizer_state", "materialize_optimizer_state"]
+
+
+def has_optimizer_state(checkpoint: str | Path) -> bool:
+    """Whether the checkpoint folder holds an optimizer state (accelerate's ``optimizer*`` files or
+    folders: ``optimizer_0/`` sharded, ``optimizer.bin`` full)."""
+    return any(Path(checkpoint).glob("optimizer*"))
 
 
 @torch.no_grad()

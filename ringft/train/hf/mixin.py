@@ -276,9 +276,10 @@ class RingTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
         if checkpoint is not None and self._ring is not None and self.is_fsdp_enabled:
-            from ringft.train.hf.fsdp_resume import materialize_optimizer_state
+            from ringft.train.hf.fsdp_resume import has_optimizer_state, materialize_optimizer_state
 
-            materialize_optimizer_state(self.optimizer)  # (an empty state loads nothing under FSDP1)
+            if has_optimizer_state(checkpoint):  # (an empty state loads nothing under FSDP1)
+                materialize_optimizer_state(self.optimizer)
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def _clip_grad_norm(self, model: Any) -> Any:
