@@ -20,7 +20,7 @@ from ringft.model.families import family_of, global_rope, set_window
 from ringft.model.rope import PRETRAINED_LENGTH_ROPE, rope_problem
 from ringft.ops.dtypes import dtype_from_name
 from ringft.ops.ulysses import heads_problem
-from ringft.train.errors import RecipeError
+from ringft.train.errors import RecipeError, first_line
 from ringft.train.recipe import Recipe
 
 __all__ = [
@@ -34,10 +34,6 @@ __all__ = [
 ]
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def build_tokenizer(recipe: Recipe) -> Any:
     """The recipe's tokenizer (``model.tokenizer``, default ``model.name_or_path``; "demo" = shipped)."""
     from ringft.data.tokenizer import load_tokenizer
@@ -49,7 +45,7 @@ def build_tokenizer(recipe: Recipe) -> Any:
         return load_tokenizer(name)
     except Exception as exc:  # noqa: BLE001 - every loader failure becomes one line
         raise RecipeError(
-            f"model.tokenizer {name!r} could not be loaded ({_first_line(exc)}): give a tokenizer folder, "
+            f"model.tokenizer {name!r} could not be loaded ({first_line(exc)}): give a tokenizer folder, "
             "a hub "
             "name, or demo"
         ) from None
@@ -69,7 +65,7 @@ def _load_pretrained_config(name: str) -> Any:
         return AutoConfig.from_pretrained(name)
     except Exception as exc:  # noqa: BLE001 - every loader failure becomes one line
         raise RecipeError(
-            f"model.name_or_path {name!r} could not be loaded ({_first_line(exc)}): give a folder with "
+            f"model.name_or_path {name!r} could not be loaded ({first_line(exc)}): give a folder with "
             "config.json and weights, or a hub model name"
         ) from None
 
@@ -117,7 +113,7 @@ def model_config(recipe: Recipe, tokenizer_size: int | None = None) -> Any:
             config = AutoConfig.for_model(m.model_type, **kwargs)
         except (TypeError, ValueError) as exc:
             raise RecipeError(
-                f"model.config is not a valid {m.model_type} config: {_first_line(exc)}"
+                f"model.config is not a valid {m.model_type} config: {first_line(exc)}"
             ) from None
     else:
         config = _load_pretrained_config(m.name_or_path)

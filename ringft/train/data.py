@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringft.train.errors import RecipeError
+from ringft.train.errors import RecipeError, first_line
 from ringft.train.recipe import Recipe
 
 __all__ = [
@@ -210,9 +210,9 @@ def _load_folder(path: str, key: str) -> Any:
     try:
         ds = load_from_disk(path)
     except Exception as exc:  # noqa: BLE001 - not a save_to_disk folder, a DatasetDict, ...
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(
-            f"{key} {path!r} is not a datasets save_to_disk folder ({first}): build it with data_prep/pack.py"
+            f"{key} {path!r} is not a datasets save_to_disk folder ({first_line(exc)}): build it with "
+            "data_prep/pack.py"
         ) from None
     if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
         raise RecipeError(f"{key} {path!r} holds several splits: save one split (a Dataset)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["RecipeError", "TrainError", "io_error", "is_io_failure"]
+__all__ = ["RecipeError", "TrainError", "first_line", "io_error", "is_io_failure"]
 
 
 class TrainError(RuntimeError):
@@ -16,6 +16,11 @@ class TrainError(RuntimeError):
 
 class RecipeError(TrainError, ValueError):
     """A recipe (or its combination with the launch, the data, the checkpoints) that cannot run."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when the message is empty)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -42,7 +47,6 @@ def io_error(what: str, path: object, exc: BaseException, kept: str = "") -> Tra
     if _is_disk_full(exc):
         reason = "no space left on device: free space (or raise the quota) and rerun"
     else:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        reason = f"{type(exc).__name__}: {first}"
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
     tail = f"; {kept}" if kept else ""
     return TrainError(f"writing {what} {path} failed: {reason}{tail}")

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from ringft.ops.validate import PeerFailed, run_together
 from ringft.train.build import (
     add_lora,
     build_model,
@@ -35,7 +34,7 @@ from ringft.train.build import (
     model_config,
 )
 from ringft.train.data import load_training_data, split_eval_data
-from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
+from ringft.train.errors import RecipeError
 from ringft.train.front_launch import model_construction, prepare_launch
 from ringft.train.front_parts import (
     MetricsCallback,
@@ -43,7 +42,7 @@ from ringft.train.front_parts import (
     RecipeSampler,
     whole_batch_collator,
 )
-from ringft.train.front_runs import RunFolder, export_final, intact_note, push_export
+from ringft.train.front_runs import RunFolder, export_final, intact_note, push_export, write_together
 from ringft.train.front_sft import sft_arguments, sft_inputs
 from ringft.train.hf.mixin import RingTrainerMixin
 from ringft.train.recipe import Recipe, validate
@@ -139,20 +138,12 @@ def _trainer_class(base: type) -> type:
             ends every rank with one line naming the folder; only a checkpoint every rank
             completed is marked complete, and only then are old ones rotated out."""
             folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            kept = intact_note(self.args.output_dir)
-
-            def save() -> None:
-                try:
-                    super(RecipeTrainer, self)._save_checkpoint(model, trial)
-                except Exception as exc:  # noqa: BLE001 - I/O failures become one line
-                    if is_io_failure(exc):
-                        raise io_error("checkpoint", folder, exc, kept) from exc
-                    raise
-
-            try:
-                run_together(save, share_message=True)
-            except PeerFailed as exc:
-                raise TrainError(f"writing checkpoint {folder} failed on rank {exc.rank}: {exc}") from None
+            write_together(
+                "checkpoint",
+                folder,
+                lambda: super(RecipeTrainer, self)._save_checkpoint(model, trial),
+                intact_note(self.args.output_dir),
+            )
             self.run_folder.mark_complete(folder, is_main=self.args.process_index == 0)
 
         def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ringft.ops.validate import PeerFailed, run_together
-from ringft.train.errors import RecipeError, TrainError, io_error, is_io_failure
+from ringft.train.errors import RecipeError, TrainError, first_line, io_error, is_io_failure
 from ringft.train.recipe import Recipe
 from ringft.train.run_folder import MetricsFile, OutputDirLock
 
@@ -31,6 +32,7 @@ __all__ = [
     "in_loaded_dtypes",
     "intact_note",
     "push_export",
+    "write_together",
 ]
 
 RUN_FILE = "ringft_run.json"
@@ -241,6 +243,25 @@ class RunFolder:
         self.lock.release()
 
 
+def write_together(what: str, path: Path, write: Callable[[], None], kept: str = "") -> None:
+    """Run ``write`` (collectives first, then this rank's writes) on every rank, then one verdict: an
+    I/O failure on any rank ends every rank, the failing one with one line naming ``what`` at
+    ``path`` (and ``kept``, what is still intact), the others naming that rank."""
+
+    def guarded() -> None:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - I/O failures become one line, anything else propagates
+            if is_io_failure(exc):
+                raise io_error(what, path, exc, kept) from exc
+            raise
+
+    try:
+        run_together(guarded, share_message=True)
+    except PeerFailed as exc:
+        raise TrainError(f"writing {what} {path} failed on rank {exc.rank}: {exc}") from None
+
+
 def in_loaded_dtypes(state: dict[str, Any], dtypes: dict[str, Any]) -> dict[str, Any]:
     """The gathered ``state`` with each floating tensor back in its dtype as loaded (``dtypes``: name
     -> dtype, taken before the launch wrapped the model): a bf16 launch's FSDP holds fp32 masters,
@@ -273,27 +294,18 @@ def export_final(trainer: Any, recipe: Recipe) -> Path:
     remove_ring_attention(model)
 
     def save() -> None:  # the gathers come first, the main process's writes last
-        try:
-            if trainer.is_fsdp_enabled:
-                state = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every rank
-                if trainer.args.process_index == 0:
-                    trainer._save(str(final), state_dict=in_loaded_dtypes(state, trainer.export_dtypes))
-            else:
-                trainer.save_model(str(final))
+        if trainer.is_fsdp_enabled:
+            state = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every rank
             if trainer.args.process_index == 0:
-                if hasattr(model, "get_base_model"):
-                    model.get_base_model().config.save_pretrained(str(final))
-                text = json.dumps(recipe.to_dict(), indent=1, default=str)
-                (final / "ringft_recipe.json").write_text(text)
-        except Exception as exc:  # noqa: BLE001 - I/O failures become one line, anything else propagates
-            if is_io_failure(exc):
-                raise io_error("the final model", final, exc) from exc
-            raise
+                trainer._save(str(final), state_dict=in_loaded_dtypes(state, trainer.export_dtypes))
+        else:
+            trainer.save_model(str(final))
+        if trainer.args.process_index == 0:
+            if hasattr(model, "get_base_model"):
+                model.get_base_model().config.save_pretrained(str(final))
+            (final / "ringft_recipe.json").write_text(json.dumps(recipe.to_dict(), indent=1, default=str))
 
-    try:  # one verdict: a failed write on the main process ends every rank, naming the folder
-        run_together(save, share_message=True)
-    except PeerFailed as exc:
-        raise TrainError(f"writing the final model {final} failed on rank {exc.rank}: {exc}") from None
+    write_together("the final model", final, save)
     if spec is not None:
         apply_ring_attention(
             model,
@@ -316,8 +328,8 @@ def push_export(final: Path, repo_id: str) -> None:
         api.create_repo(repo_id, exist_ok=True)
         api.upload_folder(folder_path=str(final), repo_id=repo_id, commit_message="ringft train: final model")
     except Exception as exc:  # noqa: BLE001 - network, auth: one line, the export stays on disk
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise TrainError(
-            f"checkpoint.push_to_hub: uploading {final} to {repo_id!r} failed ({first}); the export is "
-            "intact on disk: log in (huggingface-cli login) or fix checkpoint.hub_model_id, then upload it"
+            f"checkpoint.push_to_hub: uploading {final} to {repo_id!r} failed ({first_line(exc)}); the "
+            "export is intact on disk: log in (huggingface-cli login) or fix checkpoint.hub_model_id, "
+            "then upload it"
         ) from None

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ringft.train.data import held_out_rows
-from ringft.train.errors import RecipeError
+from ringft.train.errors import RecipeError, first_line
 from ringft.train.recipe import Recipe
 
 __all__ = ["SftData", "load_sft_data"]
@@ -38,10 +38,6 @@ class SftData:
     train: Any
     eval: Any = None
     notes: list[str] = field(default_factory=list)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _load(path: str, key: str) -> Any:
@@ -61,7 +57,7 @@ def _load(path: str, key: str) -> Any:
     except RecipeError:
         raise
     except Exception as exc:  # noqa: BLE001 - a broken file, a folder save_to_disk did not write, ...
-        raise RecipeError(f"{key} {path!r} could not be read as a dataset ({_first_line(exc)})") from None
+        raise RecipeError(f"{key} {path!r} could not be read as a dataset ({first_line(exc)})") from None
     if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
         raise RecipeError(f"{key} {path!r} holds several splits: save one split (a Dataset)")
     if len(ds) == 0:
