@@ -53,8 +53,9 @@ def fresh_group(store_dir: str, index: int, rank: int, world: int) -> None:
 @contextlib.contextmanager
 def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
     """Writes of ``target`` on ``at_rank`` fail with ENOSPC: ``checkpoint`` (torch.save of a path
-    containing ``checkpoint_part``), ``metrics`` (appends to metrics.jsonl, which
-    :mod:`ringft.train.run_folder` writes) or ``export`` (the weights of ``output_dir/final``)."""
+    containing ``checkpoint_part``), ``marker`` (the ``ringft_run.json`` that marks that checkpoint
+    complete), ``metrics`` (appends to metrics.jsonl, which :mod:`ringft.train.run_folder` writes)
+    or ``export`` (the weights of ``output_dir/final``)."""
     from ringft.train import run_folder
 
     def enospc(path) -> OSError:
@@ -62,7 +63,7 @@ def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
 
     import transformers.modeling_utils as modeling
 
-    real_save, real_safe_save = torch.save, modeling.safe_save_file
+    real_save, real_safe_save, real_write_text = torch.save, modeling.safe_save_file, Path.write_text
 
     def save(obj, f, *args, **kwargs):
         if target == "checkpoint" and checkpoint_part in str(f):
@@ -74,6 +75,11 @@ def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
             raise enospc(filename)
         return real_safe_save(tensors, filename, *args, **kwargs)
 
+    def write_text(path, *args, **kwargs):
+        if target == "marker" and path.name == "ringft_run.json" and checkpoint_part in str(path):
+            raise enospc(path)
+        return real_write_text(path, *args, **kwargs)
+
     def open_(path, mode="r", *args, **kwargs):
         if target == "metrics" and str(path).endswith("metrics.jsonl") and "a" in mode:
             raise enospc(path)
@@ -81,10 +87,11 @@ def full_disk(target: str, rank: int, at_rank: int, checkpoint_part: str):
 
     if rank == at_rank:
         torch.save, run_folder.open, modeling.safe_save_file = save, open_, safe_save
+        Path.write_text = write_text
     try:
         yield
     finally:
-        torch.save, modeling.safe_save_file = real_save, real_safe_save
+        torch.save, modeling.safe_save_file, Path.write_text = real_save, real_safe_save, real_write_text
         run_folder.__dict__.pop("open", None)
 
 

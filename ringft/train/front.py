@@ -134,17 +134,17 @@ def _trainer_class(base: type) -> type:
             return decayed_parameters(model, self._decay, self.args.weight_decay)
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
-            """The Trainer's save on every rank, then one verdict: an I/O failure on any rank
-            ends every rank with one line naming the folder; only a checkpoint every rank
-            completed is marked complete, and only then are old ones rotated out."""
+            """The Trainer's save on every rank, then one verdict; then the main process marks
+            the checkpoint complete (``ringft_run.json``) and rotates, again with one verdict. An
+            I/O failure on any rank ends every rank with one line naming the folder; only a
+            checkpoint every rank completed is marked complete, and only then are old ones
+            rotated out."""
             folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            write_together(
-                "checkpoint",
-                folder,
-                lambda: super(RecipeTrainer, self)._save_checkpoint(model, trial),
-                intact_note(self.args.output_dir),
-            )
-            self.run_folder.mark_complete(folder, is_main=self.args.process_index == 0)
+            kept = intact_note(self.args.output_dir)
+            save = super()._save_checkpoint
+            write_together("checkpoint", folder, lambda: save(model, trial), kept)
+            is_main = self.args.process_index == 0
+            write_together("checkpoint", folder, lambda: self.run_folder.mark_complete(folder, is_main), kept)
 
         def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
             if self.lr_scheduler is None:

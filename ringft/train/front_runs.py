@@ -226,14 +226,12 @@ class RunFolder:
 
     def mark_complete(self, folder: Path, is_main: bool) -> None:
         """After every rank saved ``folder``: write its ``ringft_run.json`` (main process), then
-        remove all but the newest ``checkpoint.keep`` complete checkpoints."""
+        remove all but the newest ``checkpoint.keep`` complete checkpoints. An I/O error propagates
+        (the caller, :func:`write_together`, turns it into one verdict on every rank)."""
         if not is_main:
             return
-        path = folder / RUN_FILE
-        try:
-            path.write_text(json.dumps({"step": _step_of(folder), **self.run_state()}, default=str))
-        except OSError as exc:
-            raise io_error("checkpoint", folder, exc, intact_note(self.out)) from exc
+        state = {"step": _step_of(folder), **self.run_state()}
+        (folder / RUN_FILE).write_text(json.dumps(state, default=str))
         complete = [p for p in checkpoint_folders(self.out) if _read_run(p) is not None]
         for old in complete[: -self.recipe.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)

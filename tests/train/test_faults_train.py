@@ -7,7 +7,9 @@ Multi-process part: one ``run_distributed`` call (2 gloo ranks, hard timeout) wa
 - faults: a full disk (ENOSPC, simulated by patching the writes) while rank 1 saves checkpoint-2 and
   while rank 0 appends to metrics.jsonl. The failing rank reports one line naming the path and "no
   space left on device"; the other rank's next collective fails at once (no hang); the previous
-  checkpoint stays the one to resume from. Between faults the worker opens a fresh process group.
+  checkpoint stays the one to resume from; the same for the write of the ``ringft_run.json`` that
+  marks checkpoint-2 complete and for the final export (one verdict on every rank). Between faults
+  the worker opens a fresh process group.
 In-process part: the pieces (data checks, recipe comparison on resume, lock, metrics rewrite) one by
 one.
 """
@@ -318,7 +320,18 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
         ranks = _faulty_run(cases, tmp_path / "store", failing_rank=1)
     finally:
         lock.release()
-    second = _faulty_run([export_case, metrics_case], tmp_path / "store2", failing_rank=0)
+    # checkpoint-2's ringft_run.json (rank 0 marks every rank's finished save complete) cannot be
+    # written: one verdict on every rank again, checkpoint-1 stays the newest complete one
+    marker_case = {
+        "kind": "fault_kept",
+        "name": "marker_enospc",
+        "target": "marker",
+        "at_rank": 0,
+        "raw": recipe(
+            "marker_enospc", train={"max_steps": 3, "warmup_steps": 0}, checkpoint={"save_every": 1}
+        ),
+    }
+    second = _faulty_run([export_case, marker_case, metrics_case], tmp_path / "store2", failing_rank=0)
     for rank, more in enumerate(second):
         ranks[rank].update(more)
 
@@ -360,6 +373,15 @@ def test_bad_inputs_and_faults_on_two_ranks(tmp_path):
     assert "no space left on device" in r0["message"] and "\n" not in r0["message"]
     assert r1["error"] == "TrainError" and "failed on rank 0" in r1["message"], r1
     assert abs(r0["at"] - r1["at"]) < 10, (r0, r1)
+
+    r0, r1 = (results["marker_enospc"] for results in ranks)
+    assert r0["error"] == "TrainError" and "checkpoint-2" in r0["message"], r0
+    assert "no space left on device" in r0["message"] and "checkpoint-1 is intact" in r0["message"]
+    assert r1["error"] == "TrainError" and "failed on rank 0" in r1["message"], r1
+    assert abs(r0["at"] - r1["at"]) < 10, (r0, r1)
+    folder = RunFolder(recipe_from_dict(marker_case["raw"]), world_size=2)
+    with pytest.raises(RecipeError, match="checkpoint-2 is damaged .* newest complete one is .*checkpoint-1"):
+        folder.claim(True, is_main=True)
 
     r0, r1 = (results["metrics_enospc"] for results in ranks)
     assert r0["error"] == "TrainError" and "metrics.jsonl" in r0["message"], r0
