@@ -37,17 +37,23 @@ PYEOF
 }
 
 _stage_override() {  # _stage_override dotted.key ARGS... -> value of --dotted.key in ARGS, if any
-    local key=$1
+    # Read as `ringft train` reads overrides: `--a.b value` or `--a.b=value`, the last one wins.
+    local key=$1 found=""
     shift
     while (($#)); do
-        local flag=${1//-/_}
-        if [[ "$flag" == "__${key}" && $# -ge 2 ]]; then
-            printf '%s\n' "$2"
-            return 0
+        local flag=${1%%=*} value
+        if [[ "$1" == --*=* ]]; then
+            value=${1#*=}
+            shift
+        elif (($# >= 2)); then
+            value=$2
+            shift 2
+        else
+            break
         fi
-        shift
+        [[ "${flag//-/_}" == "__${key}" ]] && found=$value
     done
-    return 0
+    [[ -z "$found" ]] || printf '%s\n' "$found"
 }
 
 dry_run() {  # dry_run -> status 0 when DRY_RUN asks for printing instead of running
