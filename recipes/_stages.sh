@@ -67,6 +67,17 @@ dry_run() {  # dry_run -> status 0 when DRY_RUN asks for printing instead of run
     esac
 }
 
+smollm2_model() {  # the CPU variants' model: $MODEL, else SmolLM2 built by data_prep/get_smollm2.py
+    # (a 93 MB download and a conversion on first use: under DRY_RUN only its folder is printed)
+    if [[ -n "${MODEL:-}" ]]; then
+        printf '%s\n' "$MODEL"
+    elif dry_run; then
+        printf '%s\n' models/smollm2-135m-instruct
+    else
+        "${PYTHON:-python}" data_prep/get_smollm2.py --output models/smollm2-135m-instruct | tail -n 1
+    fi
+}
+
 _stage_exec() {
     if dry_run; then
         printf '%q ' "$@"
