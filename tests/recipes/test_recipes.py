@@ -496,6 +496,12 @@ def test_cpu_setup_installs_the_pinned_torch_first(tmp_path):
     assert installs("dev") == [] and installs("base") == []
     refused = run_script(root, "setup_cpu_env.sh")
     assert refused.returncode == 2 and "give 'base'" in refused.stderr and refused.commands == []
+    old = tmp_path / "python3.10"  # a Python the pinned transformers / trl do not install on
+    old.write_text('#!/bin/sh\n[ "$1" = -V ] && echo "Python 3.10.12"\nexit 1\n')
+    old.chmod(0o755)
+    refused = run_script(root, "setup_cpu_env.sh", "base", PYTHON=str(old), RINGFT_VENV=str(tmp_path / "v"))
+    assert refused.returncode == 2 and "Python 3.10.12" in refused.stderr and "3.11" in refused.stderr
+    assert refused.commands == [] and not (tmp_path / "v").exists()
 
 
 def _copy_recipes(tmp_path: Path) -> Path:
