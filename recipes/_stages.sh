@@ -15,8 +15,9 @@
 #                                 wrapper reads it through dry_run below: DRY_RUN=true never trains.
 #   PYTHON / ACCELERATE           the interpreter / launcher to use (default: python / accelerate)
 # Arguments are ringft overrides (--section.key value ...), passed to every stage.
-# Before the first stage starts, every selected stage's data.path must exist (all missing folders
-# are named at once: a 4-stage run must not fail hours in, at stage 2, for want of its data).
+# Before the first stage starts, every selected stage's data.path (and data.eval_path) must exist
+# (all missing folders are named at once: a 4-stage run must not fail hours in, at stage 2, for want
+# of its data).
 # Each stage runs with --resume (it continues from its newest complete checkpoint, or starts
 # fresh) and is skipped once its output_dir/final/ringft_recipe.json exists (the export is done):
 # re-running a wrapper after a crash continues where it stopped. Delete a stage's output_dir to
@@ -114,18 +115,20 @@ run_stages() {
     else
         selected=("${RECIPES[@]}")
     fi
-    local recipe out src data
+    local recipe out src data key
     local -a todo=() missing=()
     for recipe in "${selected[@]}"; do
         out=$(_stage_override checkpoint.output_dir "$@")
         [[ -n "$out" ]] || out=$(_stage_yaml_get "$recipe" checkpoint.output_dir)
         [[ -f "$out/final/ringft_recipe.json" ]] && continue
         todo+=("$recipe")
-        data=$(_stage_override data.path "$@")
-        [[ -n "$data" ]] || data=$(_stage_yaml_get "$recipe" data.path)
-        if [[ -n "$data" && ! -e "$data" ]]; then
-            missing+=("$recipe reads data.path $data, which does not exist")
-        fi
+        for key in data.path data.eval_path; do
+            data=$(_stage_override "$key" "$@")
+            [[ -n "$data" ]] || data=$(_stage_yaml_get "$recipe" "$key")
+            if [[ -n "$data" && ! -e "$data" ]]; then
+                missing+=("$recipe reads $key $data, which does not exist")
+            fi
+        done
     done
     if ((${#todo[@]})); then
         src=$(_stage_override model.name_or_path "$@")

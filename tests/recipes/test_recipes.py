@@ -595,3 +595,8 @@ def test_wrapper_reads_overrides_as_ringft_train_does(tmp_path):
     out = _run_wrapper(root, "llama3_8b_512k/run_lora.sh", *args, f"--data.path={data}", dry=False)
     assert out.returncode == 0 and "does not exist" not in out.stderr, out.stderr
     assert out.stdout.startswith("launch --config_file recipes/accelerate/1node_8gpu.yaml")
+    eval_path = ("--data.eval_path", str(tmp_path / "none"))  # an eval folder is checked as well
+    out = _run_wrapper(
+        root, "llama3_8b_512k/run_lora.sh", *args, f"--data.path={data}", *eval_path, dry=False
+    )
+    assert out.returncode == 1 and f"data.eval_path {tmp_path / 'none'}, which does not" in out.stderr
