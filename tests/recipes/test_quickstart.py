@@ -98,6 +98,7 @@ def test_stage_wrapper_checks_every_stage_data_before_stage_one(tmp_path):
 
 
 WRAPPERS = [
+    "demo_cpu.sh",
     "llama3_8b_512k/run.sh",
     "llama3_8b_512k/run_lora.sh",
     "mistral_7b_512k/run.sh",
