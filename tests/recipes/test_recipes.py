@@ -571,6 +571,8 @@ def test_wrapper_stage_selection_skip_and_fsdp(tmp_path):
     assert "skipping" in out.stderr
     bad = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="7")
     assert bad.returncode != 0 and "STAGES" in bad.stderr
+    bad = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="2", DRY_RUN="maybe", dry=False)
+    assert bad.returncode == 2 and "DRY_RUN=maybe" in bad.stderr  # refused, though stage 2 is done
 
 
 def test_lora_wrapper_needs_stage3(tmp_path):
