@@ -89,6 +89,7 @@ _stage_exec() {
 }
 
 run_stages() {
+    dry_run || true # an invalid DRY_RUN is refused first, even when every stage is done already
     # Long sequences fragment torch's caching allocator: at 384K tokens on an H200 it held 13.8 GiB
     # reserved but unallocated when a step ran out of memory; expandable segments cut that to
     # 0.17 GiB (benchmarks/RESULTS.md, "Planner against measured memory"). A value the user set wins.
