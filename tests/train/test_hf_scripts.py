@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ringft.train.hf.scripts import script_datasets
+from ringft.train.hf.scripts import RingArguments, script_datasets
 
 
 def _records(n: int, seed: int) -> list[dict]:
@@ -37,3 +37,12 @@ def test_eval_split_follows_eval_strategy(tmp_path):
         script_datasets(*_args(str(train)), "made-up", _records)
     data = script_datasets(*_args(str(train), test=str(held_out)), "made-up", _records)
     assert (len(data["train_dataset"]), data["eval_dataset"]["text"]) == (4, ["record 9-0", "record 9-1"])
+
+
+def test_ulysses_size_that_cannot_split_the_ring_is_refused():
+    """``--ulysses_size 2`` without a ring of 2 is refused (with ``--cp_size 1`` the base trainer
+    would run and silently ignore it)."""
+    assert RingArguments(cp_size=4, ulysses_size=2).trainer_keywords()["ulysses_size"] == 2
+    for cp in (1, 3):
+        with pytest.raises(SystemExit, match=f"ulysses_size=2 does not divide cp_size={cp}"):
+            RingArguments(cp_size=cp, ulysses_size=2).trainer_keywords()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ringft.ops.sharding import ulysses_size_problem
 from ringft.utils.options import option_field
 
 __all__ = ["RingArguments", "load_records", "script_datasets", "write_run_files"]
@@ -39,6 +40,9 @@ class RingArguments:
                 "error: --loss_chunk_size / --tiled_mlp_tokens apply to SFT (recipes/trl_sft/sft.py); "
                 "DPO and GRPO score through TRL's fused head: drop them"
             )
+        problem = ulysses_size_problem(self.cp_size, self.ulysses_size) if self.ulysses_size != 1 else None
+        if problem:  # (with cp_size 1 the base trainer would run and ignore it)
+            raise SystemExit(f"error: --ulysses_size: {problem}")
         if self.cp_size <= 1 and not self.tiled_mlp_tokens:
             return {}
         ring = dict(cp_size=self.cp_size, ulysses_size=self.ulysses_size, attn_backend=self.attn_backend)
