@@ -21,8 +21,8 @@
 # Each stage runs with --resume (it continues from its newest complete checkpoint, or starts
 # fresh) and is skipped once its output_dir/final/ringft_recipe.json exists (the export is done):
 # re-running a wrapper after a crash continues where it stopped. Delete a stage's output_dir to
-# train it again. Do not override checkpoint.output_dir or model.name_or_path here: every stage
-# reads the previous stage's output_dir/final.
+# train it again. checkpoint.output_dir and model.name_or_path are overridden for one stage only
+# (STAGES=N; refused for several): every stage reads the previous stage's output_dir/final.
 
 _stage_yaml_get() {  # _stage_yaml_get FILE dotted.key -> the value, printed
     "${PYTHON:-python}" - "$1" "$2" <<'PYEOF'
@@ -117,6 +117,15 @@ run_stages() {
         selected=("${RECIPES[@]}")
     fi
     local recipe out src data key
+    if ((${#selected[@]} > 1)); then
+        for key in checkpoint.output_dir model.name_or_path; do
+            if [[ -n "$(_stage_override "$key" "$@")" ]]; then
+                echo "error: --$key would apply to all ${#selected[@]} stages, but each stage starts from" \
+                    "the previous one's output_dir/final: give it for one stage (STAGES=N)" >&2
+                return 2
+            fi
+        done
+    fi
     local -a todo=() missing=()
     for recipe in "${selected[@]}"; do
         out=$(_stage_override checkpoint.output_dir "$@")

@@ -602,3 +602,6 @@ def test_wrapper_reads_overrides_as_ringft_train_does(tmp_path):
         root, "llama3_8b_512k/run_lora.sh", *args, f"--data.path={data}", *eval_path, dry=False
     )
     assert out.returncode == 1 and f"data.eval_path {tmp_path / 'none'}, which does not" in out.stderr
+    # several stages with one output_dir (or start model): each would read the previous one's final
+    out = _run_wrapper(root, "llama3_8b_512k/run.sh", "--checkpoint.output_dir=outputs/x", dry=False)
+    assert out.returncode == 2 and "give it for one stage (STAGES=N)" in out.stderr and not out.stdout
