@@ -43,7 +43,11 @@ _stage_override() {  # _stage_override dotted.key ARGS... -> value of --dotted.k
     shift
     while (($#)); do
         local flag=${1%%=*} value
-        if [[ "$1" == --*=* ]]; then
+        if [[ "$1" == --no-progress || "$1" == --resume* ]]; then # ringft train's own flags
+            [[ "$1" == --resume && $# -ge 2 && "$2" != -* ]] && shift # (--resume PATH)
+            shift
+            continue
+        elif [[ "$1" == --*=* ]]; then
             value=${1#*=}
             shift
         elif (($# >= 2)); then

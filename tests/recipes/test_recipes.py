@@ -588,12 +588,18 @@ def test_lora_wrapper_needs_stage3(tmp_path):
 
 
 def test_wrapper_reads_overrides_as_ringft_train_does(tmp_path):
-    """The wrapper's pre-launch checks read ``--a.b=value`` and the last of repeated overrides, as
-    ``ringft train`` does: a hub model and a data folder given that way are not refused."""
+    """The wrapper's pre-launch checks read ``--a.b=value`` and the last of repeated overrides, past
+    ``ringft train``'s own flags, as ``ringft train`` does: a hub model and a data folder given that
+    way are not refused."""
     root = _copy_recipes(tmp_path)
     data = tmp_path / "packed"
     data.mkdir()
-    args = ("--model.name_or_path", "outputs/none", "--model.name_or_path=meta-llama/Meta-Llama-3-8B")
+    args = (
+        "--no-progress",
+        "--model.name_or_path",
+        "outputs/none",
+        "--model.name_or_path=meta-llama/Meta-Llama-3-8B",
+    )
     out = _run_wrapper(root, "llama3_8b_512k/run_lora.sh", *args, f"--data.path={data}", dry=False)
     assert out.returncode == 0 and "does not exist" not in out.stderr, out.stderr
     assert out.stdout.startswith("launch --config_file recipes/accelerate/1node_8gpu.yaml")
