@@ -15,9 +15,9 @@
 #                                 wrapper reads it through dry_run below: DRY_RUN=true never trains.
 #   PYTHON / ACCELERATE           the interpreter / launcher to use (default: python / accelerate)
 # Arguments are ringft overrides (--section.key value ...), passed to every stage.
-# Before the first stage starts, every selected stage's data.path (and data.eval_path) must exist
-# (all missing folders are named at once: a 4-stage run must not fail hours in, at stage 2, for want
-# of its data).
+# Before the first stage starts, every selected stage's data.path (and data.eval_path) must exist,
+# and the first one's start model if it is a local folder (all missing folders are named at once: a
+# 4-stage run must not fail hours in, at stage 2, for want of its data).
 # Each stage runs with --resume (it continues from its newest complete checkpoint, or starts
 # fresh) and is skipped once its output_dir/final/ringft_recipe.json exists (the export is done):
 # re-running a wrapper after a crash continues where it stopped. Delete a stage's output_dir to
@@ -149,6 +149,9 @@ run_stages() {
         [[ -n "$src" ]] || src=$(_stage_yaml_get "${todo[0]}" model.name_or_path)
         if [[ "$src" == outputs/* && ! -d "$src" ]]; then
             missing+=("${todo[0]} starts from $src, which does not exist: run the previous stage first")
+        elif [[ "$src" == models/* || "$src" == /* || "$src" == .* ]] && [[ ! -d "$src" ]]; then
+            # a local folder (not a hub name): else it is looked up on the hub, and not found there
+            missing+=("${todo[0]} starts from $src, which does not exist: build it first (the recipe's header)")
         fi
     fi
     if ((${#missing[@]})); then

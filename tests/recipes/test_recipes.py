@@ -611,3 +611,18 @@ def test_wrapper_reads_overrides_as_ringft_train_does(tmp_path):
     # several stages with one output_dir (or start model): each would read the previous one's final
     out = _run_wrapper(root, "llama3_8b_512k/run.sh", "--checkpoint.output_dir=outputs/x", dry=False)
     assert out.returncode == 2 and "give it for one stage (STAGES=N)" in out.stderr and not out.stdout
+
+
+def test_wrapper_checks_a_local_start_model(tmp_path):
+    """A first stage that starts from a local folder (smollm2_32k: models/..., built by
+    prepare_data.sh) is refused by name before launching when the folder is missing (else it is
+    looked up on the hub after the launch)."""
+    root = _copy_recipes(tmp_path)
+    for k in ("16k", "32k"):
+        (root / "data" / f"smollm2-mix-{k}").mkdir(parents=True)
+    out = _run_wrapper(root, "smollm2_32k/run.sh", dry=False)
+    assert out.returncode == 1 and not out.stdout
+    assert "models/smollm2-135m-instruct, which does not exist: build it first" in out.stderr
+    (root / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+    ok = _run_wrapper(root, "smollm2_32k/run.sh", STAGES="1", dry=False)
+    assert ok.returncode == 0 and "stage1_16k.yaml --resume" in ok.stdout, ok.stderr
