@@ -36,6 +36,7 @@ CMD=(
     --dtype bfloat16
     --dataset_name "${DATASET:-HuggingFaceH4/ultrachat_200k}"
     --dataset_train_split "${DATASET_SPLIT:-train_sft}"
+    --dataset_test_split "${DATASET_TEST_SPLIT:-test_sft}"  # read with --eval_strategy steps
     --packing true
     --max_length "${MAX_LENGTH:-65536}"
     --cp_size "${CP_SIZE:-8}"
