@@ -15,13 +15,14 @@
 #                                 wrapper reads it through dry_run below: DRY_RUN=true never trains.
 #   PYTHON / ACCELERATE           the interpreter / launcher to use (default: python / accelerate)
 # Arguments are ringft overrides (--section.key value ...), passed to every stage.
-# Before the first stage starts, every selected stage's data.path must exist (all missing folders
-# are named at once: a 4-stage run must not fail hours in, at stage 2, for want of its data).
+# Before the first stage starts, every selected stage's data.path (and data.eval_path) must exist,
+# and the first one's start model if it is a local folder (all missing folders are named at once: a
+# 4-stage run must not fail hours in, at stage 2, for want of its data).
 # Each stage runs with --resume (it continues from its newest complete checkpoint, or starts
 # fresh) and is skipped once its output_dir/final/ringft_recipe.json exists (the export is done):
 # re-running a wrapper after a crash continues where it stopped. Delete a stage's output_dir to
-# train it again. Do not override checkpoint.output_dir or model.name_or_path here: every stage
-# reads the previous stage's output_dir/final.
+# train it again. checkpoint.output_dir and model.name_or_path are overridden for one stage only
+# (STAGES=N; refused for several): every stage reads the previous stage's output_dir/final.
 
 _stage_yaml_get() {  # _stage_yaml_get FILE dotted.key -> the value, printed
     "${PYTHON:-python}" - "$1" "$2" <<'PYEOF'
@@ -37,17 +38,27 @@ PYEOF
 }
 
 _stage_override() {  # _stage_override dotted.key ARGS... -> value of --dotted.key in ARGS, if any
-    local key=$1
+    # Read as `ringft train` reads overrides: `--a.b value` or `--a.b=value`, the last one wins.
+    local key=$1 found=""
     shift
     while (($#)); do
-        local flag=${1//-/_}
-        if [[ "$flag" == "__${key}" && $# -ge 2 ]]; then
-            printf '%s\n' "$2"
-            return 0
+        local flag=${1%%=*} value
+        if [[ "$1" == --no-progress || "$1" == --resume* ]]; then # ringft train's own flags
+            [[ "$1" == --resume && $# -ge 2 && "$2" != -* ]] && shift # (--resume PATH)
+            shift
+            continue
+        elif [[ "$1" == --*=* ]]; then
+            value=${1#*=}
+            shift
+        elif (($# >= 2)); then
+            value=$2
+            shift 2
+        else
+            break
         fi
-        shift
+        [[ "${flag//-/_}" == "__${key}" ]] && found=$value
     done
-    return 0
+    [[ -z "$found" ]] || printf '%s\n' "$found"
 }
 
 dry_run() {  # dry_run -> status 0 when DRY_RUN asks for printing instead of running
@@ -61,6 +72,17 @@ dry_run() {  # dry_run -> status 0 when DRY_RUN asks for printing instead of run
     esac
 }
 
+smollm2_model() {  # the CPU variants' model: $MODEL, else SmolLM2 built by data_prep/get_smollm2.py
+    # (a 93 MB download and a conversion on first use: under DRY_RUN only its folder is printed)
+    if [[ -n "${MODEL:-}" ]]; then
+        printf '%s\n' "$MODEL"
+    elif dry_run; then
+        printf '%s\n' models/smollm2-135m-instruct
+    else
+        "${PYTHON:-python}" data_prep/get_smollm2.py --output models/smollm2-135m-instruct | tail -n 1
+    fi
+}
+
 _stage_exec() {
     if dry_run; then
         printf '%q ' "$@"
@@ -71,6 +93,7 @@ _stage_exec() {
 }
 
 run_stages() {
+    dry_run || true # an invalid DRY_RUN is refused first, even when every stage is done already
     # Long sequences fragment torch's caching allocator: at 384K tokens on an H200 it held 13.8 GiB
     # reserved but unallocated when a step ran out of memory; expandable segments cut that to
     # 0.17 GiB (benchmarks/RESULTS.md, "Planner against measured memory"). A value the user set wins.
@@ -97,24 +120,38 @@ run_stages() {
     else
         selected=("${RECIPES[@]}")
     fi
-    local recipe out src data
+    local recipe out src data key
+    if ((${#selected[@]} > 1)); then
+        for key in checkpoint.output_dir model.name_or_path; do
+            if [[ -n "$(_stage_override "$key" "$@")" ]]; then
+                echo "error: --$key would apply to all ${#selected[@]} stages, but each stage starts from" \
+                    "the previous one's output_dir/final: give it for one stage (STAGES=N)" >&2
+                return 2
+            fi
+        done
+    fi
     local -a todo=() missing=()
     for recipe in "${selected[@]}"; do
         out=$(_stage_override checkpoint.output_dir "$@")
         [[ -n "$out" ]] || out=$(_stage_yaml_get "$recipe" checkpoint.output_dir)
         [[ -f "$out/final/ringft_recipe.json" ]] && continue
         todo+=("$recipe")
-        data=$(_stage_override data.path "$@")
-        [[ -n "$data" ]] || data=$(_stage_yaml_get "$recipe" data.path)
-        if [[ -n "$data" && ! -e "$data" ]]; then
-            missing+=("$recipe reads data.path $data, which does not exist")
-        fi
+        for key in data.path data.eval_path; do
+            data=$(_stage_override "$key" "$@")
+            [[ -n "$data" ]] || data=$(_stage_yaml_get "$recipe" "$key")
+            if [[ -n "$data" && ! -e "$data" ]]; then
+                missing+=("$recipe reads $key $data, which does not exist")
+            fi
+        done
     done
     if ((${#todo[@]})); then
         src=$(_stage_override model.name_or_path "$@")
         [[ -n "$src" ]] || src=$(_stage_yaml_get "${todo[0]}" model.name_or_path)
         if [[ "$src" == outputs/* && ! -d "$src" ]]; then
             missing+=("${todo[0]} starts from $src, which does not exist: run the previous stage first")
+        elif [[ "$src" == models/* || "$src" == /* || "$src" == .* ]] && [[ ! -d "$src" ]]; then
+            # a local folder (not a hub name): else it is looked up on the hub, and not found there
+            missing+=("${todo[0]} starts from $src, which does not exist: build it first (the recipe's header)")
         fi
     fi
     if ((${#missing[@]})); then

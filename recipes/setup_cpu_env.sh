@@ -19,9 +19,15 @@ case "$EXTRA" in
      return 2 2>/dev/null || exit 2 ;;
 esac
 if [ ! -x "$VENV/bin/python" ]; then
+  # setup.cfg's python_requires: transformers 5.24 / trl 1.16 publish no wheel for older Pythons
+  if ! "$PY" -c "import sys; sys.exit(sys.version_info < (3, 11))" 2>/dev/null; then
+    echo "setup_cpu_env.sh: error: $PY is not Python 3.11+ ($("$PY" -V 2>&1 || true)), which" \
+      "transformers 5.24 needs: set PYTHON=/path/to/python3.11 (or newer)" >&2
+    return 2 2>/dev/null || exit 2
+  fi
   if ! "$PY" -c "import ensurepip, venv" 2>/dev/null; then
     echo "setup_cpu_env.sh: error: $PY has no venv/ensurepip module: install it (Debian/Ubuntu:" \
-      "sudo apt-get install python3-venv) or set PYTHON=/path/to/python3.10+" >&2
+      "sudo apt-get install python3-venv) or set PYTHON=/path/to/python3.11+" >&2
     return 2 2>/dev/null || exit 2
   fi
   "$PY" -m venv "$VENV"

@@ -8,7 +8,8 @@ one-process oracle the tests compare against), ``--ulysses_size`` (CP = Ulysses 
 
 Data: ``--dataset_name`` is a hub dataset with ``prompt`` / ``chosen`` / ``rejected`` columns
 (conversational or plain text), a local .json / .jsonl file, or ``synthetic-pairs[:N]`` (made-up
-arithmetic questions, the right answer chosen and a wrong one rejected: no download). Writes
+arithmetic questions, the right answer chosen and a wrong one rejected: no download; the default).
+``--eval_strategy steps`` evaluates on ``--dataset_test_split`` (as recipes/trl_sft/sft.py). Writes
 ``<output_dir>/log_history.json`` (the Trainer's logs), ``run_info.json`` (world, dp, cp, the
 accelerate distributed type) and the trained model (or adapter) to ``<output_dir>/final``.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from ringft.train.hf.scripts import RingArguments, write_run_files
+from ringft.train.hf.scripts import RingArguments, script_datasets, write_run_files
 
 
 def synthetic_pairs(n: int, seed: int) -> list[dict]:
@@ -37,18 +38,6 @@ def synthetic_pairs(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def load_pairs(name: str, split: str, seed: int):
-    """The preference pairs as a ``datasets.Dataset``."""
-    import datasets
-
-    if name.startswith("synthetic-pairs"):
-        n = int(name.split(":")[1]) if ":" in name else 512
-        return datasets.Dataset.from_list(synthetic_pairs(n, seed))
-    if name.endswith((".json", ".jsonl")):
-        return datasets.load_dataset("json", data_files=name, split="train")
-    return datasets.load_dataset(name, split=split)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Train (see the module docstring)."""
     import torch
@@ -65,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     data = dict(
         model=model,
         args=config,
-        train_dataset=load_pairs(script.dataset_name, script.dataset_train_split, config.seed),
+        **script_datasets(script, config, "synthetic-pairs", synthetic_pairs),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )

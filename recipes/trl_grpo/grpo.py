@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import re
 
-from ringft.train.hf.scripts import RingArguments, write_run_files
+from ringft.train.hf.scripts import RingArguments, script_datasets, write_run_files
 
 
 def synthetic_sums(n: int, seed: int) -> list[dict]:
@@ -51,18 +51,6 @@ def mentions_operands(prompts, completions, **kwargs) -> list[float]:
     return out
 
 
-def load_prompts(name: str, split: str, seed: int):
-    """The prompts as a ``datasets.Dataset``."""
-    import datasets
-
-    if name.startswith("synthetic-sums"):
-        n = int(name.split(":")[1]) if ":" in name else 512
-        return datasets.Dataset.from_list(synthetic_sums(n, seed))
-    if name.endswith((".json", ".jsonl")):
-        return datasets.load_dataset("json", data_files=name, split="train")
-    return datasets.load_dataset(name, split=split)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Train (see the module docstring)."""
     import torch
@@ -80,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model,
         reward_funcs=[correct_answer, mentions_operands],
         args=config,
-        train_dataset=load_prompts(script.dataset_name, script.dataset_train_split, config.seed),
+        **script_datasets(script, config, "synthetic-sums", synthetic_sums, evaluate=False),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )

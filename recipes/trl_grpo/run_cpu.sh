@@ -15,7 +15,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # shellcheck source=recipes/_stages.sh
 source recipes/_stages.sh  # dry_run: what DRY_RUN means in every wrapper
 PYTHON=${PYTHON:-python}
-MODEL=${MODEL:-$("$PYTHON" data_prep/get_smollm2.py --output models/smollm2-135m-instruct | tail -n 1)}
+MODEL=$(smollm2_model)  # $MODEL, or SmolLM2 built on first use (recipes/_stages.sh)
 ARGS=(
     --model_name_or_path "$MODEL"
     --dataset_name synthetic-sums:32

@@ -10,8 +10,8 @@
 #   DRY_RUN=1 recipes/trl_sft/run.sh                        # print the command
 # Extra arguments go to recipes/trl_sft/sft.py: TRL's flags (--max_steps, --learning_rate,
 # --save_strategy steps --save_steps 100, ...) and ringft's --cp_size / --ulysses_size.
-# Memory per GPU (FSDP2 FULL_SHARD is ZeRO-3 for the planner): 29.1 GiB of 80, and rows of up to
-# 950,272 tokens would fit this layout:
+# Memory per GPU (FSDP2 FULL_SHARD is ZeRO-3 for the planner): 29.0 GiB of 80, and rows of up to
+# 1,015,808 tokens would fit this layout:
 #   ringft plan --model llama-3-8b --seq-len 65536 --gpus 8 --gpu-mem 80 --cp 8 --zero 3
 # CPU variant (2 processes, SmolLM2-135M, a minute): recipes/trl_sft/run_cpu.sh.
 set -euo pipefail
@@ -36,6 +36,7 @@ CMD=(
     --dtype bfloat16
     --dataset_name "${DATASET:-HuggingFaceH4/ultrachat_200k}"
     --dataset_train_split "${DATASET_SPLIT:-train_sft}"
+    --dataset_test_split "${DATASET_TEST_SPLIT:-test_sft}"  # read with --eval_strategy steps
     --packing true
     --max_length "${MAX_LENGTH:-65536}"
     --cp_size "${CP_SIZE:-8}"

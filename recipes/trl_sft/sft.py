@@ -13,15 +13,17 @@ is TRL's SFTTrainer unchanged: the one-process oracle the tests compare the ring
 Data: ``--dataset_name`` is a hub dataset name, a local .json / .jsonl file, or ``synthetic-chat``
 (short made-up conversations built here: no download; the default); records carry ``messages``
 (TRL's conversational format: the model's chat template is applied, then the tokens are packed
-into rows of ``--max_length``). Writes ``<output-dir>/log_history.json`` (the Trainer's logs, main process),
-``run_info.json`` (world, dp, cp, engine) and the trained model (or LoRA adapter) to
-``<output-dir>/final``.
+into rows of ``--max_length``). With ``--eval_strategy steps`` (or ``epoch``) the eval loss is
+computed on the ring on ``--dataset_test_split`` (a hub split, or a local .jsonl file; other
+made-up chats for ``synthetic-chat``). Writes ``<output-dir>/log_history.json`` (the Trainer's
+logs, main process), ``run_info.json`` (world, dp, cp, engine) and the trained model (or LoRA
+adapter) to ``<output-dir>/final``.
 """
 
 import random
 from typing import Any
 
-from ringft.train.hf.scripts import RingArguments, write_run_files
+from ringft.train.hf.scripts import RingArguments, script_datasets, write_run_files
 
 
 def synthetic_chats(n: int, seed: int) -> list[dict]:
@@ -46,18 +48,6 @@ def synthetic_chats(n: int, seed: int) -> list[dict]:
             )
         chats.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": r}]})
     return chats
-
-
-def load_chats(name: str, split: str, seed: int):
-    """The conversations as a ``datasets.Dataset`` with a ``messages`` column."""
-    import datasets
-
-    if name.startswith("synthetic-chat"):
-        n = int(name.split(":")[1]) if ":" in name else 512
-        return datasets.Dataset.from_list(synthetic_chats(n, seed))
-    if name.endswith((".json", ".jsonl")):
-        return datasets.load_dataset("json", data_files=name, split="train")
-    return datasets.load_dataset(name, split=split)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Any, Any, Any, RingArguments]:
@@ -88,11 +78,10 @@ def main(argv: list[str] | None = None) -> None:
         attn_implementation=model_args.attn_implementation or "sdpa",
     )  # fmt: skip
     ring = ring_args.trainer_keywords()
-    dataset = script.dataset_name or "synthetic-chat"
     trainer = (RingSFTTrainer if ring else SFTTrainer)(
         model=model,
         args=config,
-        train_dataset=load_chats(dataset, script.dataset_train_split, config.seed),
+        **script_datasets(script, config, "synthetic-chat", synthetic_chats),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         **ring,

@@ -323,6 +323,17 @@ FIGURES: list[tuple[str, str, list[tuple[str, Quantity]]]] = [
         "~{} GiB per GPU without activation checkpointing",
         [(f"{SMOLLM2} --seq-len 32768 --gpus 1 --gpu-mem 80 --no-gradient-checkpointing", TOTAL0)],
     ),
+    *[  # recipes/trl_sft: 64K-token rows on a ring of 8 under FSDP2 (ZeRO-3 for the planner)
+        (
+            path,
+            text,
+            [(f"{LLAMA} --seq-len 65536 --gpus 8 --gpu-mem 80 --cp 8 --zero 3", q) for q in (TOTAL, LONGEST)],
+        )
+        for path, text in [
+            ("recipes/trl_sft/run.sh", "ZeRO-3 for the planner): {} GiB of 80, and rows of up to {} tokens"),
+            ("recipes/trl_sft/README.md", "ZeRO-3 for the planner): {} GiB per GPU; rows of up to {} tokens"),
+        ]
+    ],
     ("recipes/accelerate/deepspeed_zero3.yaml", "64K tokens/rank: ~{} GiB/rank", [(f"{LLAMA} {Z3}", TOTAL0)]),
     ("recipes/accelerate/fsdp.yaml", "~{} GiB/rank for Llama-3-8B", [(f"{LLAMA} {Z3}", TOTAL0)]),
     (

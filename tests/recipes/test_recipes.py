@@ -496,6 +496,12 @@ def test_cpu_setup_installs_the_pinned_torch_first(tmp_path):
     assert installs("dev") == [] and installs("base") == []
     refused = run_script(root, "setup_cpu_env.sh")
     assert refused.returncode == 2 and "give 'base'" in refused.stderr and refused.commands == []
+    old = tmp_path / "python3.10"  # a Python the pinned transformers / trl do not install on
+    old.write_text('#!/bin/sh\n[ "$1" = -V ] && echo "Python 3.10.12"\nexit 1\n')
+    old.chmod(0o755)
+    refused = run_script(root, "setup_cpu_env.sh", "base", PYTHON=str(old), RINGFT_VENV=str(tmp_path / "v"))
+    assert refused.returncode == 2 and "Python 3.10.12" in refused.stderr and "3.11" in refused.stderr
+    assert refused.commands == [] and not (tmp_path / "v").exists()
 
 
 def _copy_recipes(tmp_path: Path) -> Path:
@@ -565,6 +571,8 @@ def test_wrapper_stage_selection_skip_and_fsdp(tmp_path):
     assert "skipping" in out.stderr
     bad = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="7")
     assert bad.returncode != 0 and "STAGES" in bad.stderr
+    bad = _run_wrapper(root, "mistral_7b_512k/run.sh", STAGES="2", DRY_RUN="maybe", dry=False)
+    assert bad.returncode == 2 and "DRY_RUN=maybe" in bad.stderr  # refused, though stage 2 is done
 
 
 def test_lora_wrapper_needs_stage3(tmp_path):
@@ -577,3 +585,44 @@ def test_lora_wrapper_needs_stage3(tmp_path):
     assert "--config_file recipes/accelerate/1node_8gpu.yaml" in out.stdout
     assert out.stdout.rstrip().endswith("--resume --model.name_or_path meta-llama/Meta-Llama-3-8B")
     _check_printed(out.stdout, tmp_path)
+
+
+def test_wrapper_reads_overrides_as_ringft_train_does(tmp_path):
+    """The wrapper's pre-launch checks read ``--a.b=value`` and the last of repeated overrides, past
+    ``ringft train``'s own flags, as ``ringft train`` does: a hub model and a data folder given that
+    way are not refused."""
+    root = _copy_recipes(tmp_path)
+    data = tmp_path / "packed"
+    data.mkdir()
+    args = (
+        "--no-progress",
+        "--model.name_or_path",
+        "outputs/none",
+        "--model.name_or_path=meta-llama/Meta-Llama-3-8B",
+    )
+    out = _run_wrapper(root, "llama3_8b_512k/run_lora.sh", *args, f"--data.path={data}", dry=False)
+    assert out.returncode == 0 and "does not exist" not in out.stderr, out.stderr
+    assert out.stdout.startswith("launch --config_file recipes/accelerate/1node_8gpu.yaml")
+    eval_path = ("--data.eval_path", str(tmp_path / "none"))  # an eval folder is checked as well
+    out = _run_wrapper(
+        root, "llama3_8b_512k/run_lora.sh", *args, f"--data.path={data}", *eval_path, dry=False
+    )
+    assert out.returncode == 1 and f"data.eval_path {tmp_path / 'none'}, which does not" in out.stderr
+    # several stages with one output_dir (or start model): each would read the previous one's final
+    out = _run_wrapper(root, "llama3_8b_512k/run.sh", "--checkpoint.output_dir=outputs/x", dry=False)
+    assert out.returncode == 2 and "give it for one stage (STAGES=N)" in out.stderr and not out.stdout
+
+
+def test_wrapper_checks_a_local_start_model(tmp_path):
+    """A first stage that starts from a local folder (smollm2_32k: models/..., built by
+    prepare_data.sh) is refused by name before launching when the folder is missing (else it is
+    looked up on the hub after the launch)."""
+    root = _copy_recipes(tmp_path)
+    for k in ("16k", "32k"):
+        (root / "data" / f"smollm2-mix-{k}").mkdir(parents=True)
+    out = _run_wrapper(root, "smollm2_32k/run.sh", dry=False)
+    assert out.returncode == 1 and not out.stdout
+    assert "models/smollm2-135m-instruct, which does not exist: build it first" in out.stderr
+    (root / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+    ok = _run_wrapper(root, "smollm2_32k/run.sh", STAGES="1", dry=False)
+    assert ok.returncode == 0 and "stage1_16k.yaml --resume" in ok.stdout, ok.stderr

@@ -47,6 +47,16 @@ def test_pip_install_resolves_the_supported_set():
         assert str(needed[package]) in (f">={low},<{high}", f"<{high},>={low}"), package
         assert f"'{package}>={low},<{high}'" in install_command()
     assert install_command().startswith("pip install ")
+    # every Python that python_requires admits can install the pinned releases (their Requires-Python,
+    # read from the installed ones): else pip fails on "no matching distribution for transformers"
+    from packaging.specifiers import SpecifierSet
+
+    ours = SpecifierSet(setup["options"]["python_requires"])
+    for package in SUPPORTED:
+        theirs = SpecifierSet(importlib.metadata.metadata(package)["Requires-Python"] or "")
+        for minor in range(8, 20):
+            if f"3.{minor}" in ours:
+                assert f"3.{minor}" in theirs, (package, f"3.{minor}", str(theirs))
 
 
 def test_trl_version_is_checked_only_for_trl_trainers(monkeypatch):

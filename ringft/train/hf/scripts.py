@@ -1,17 +1,22 @@
 """What the TRL recipe scripts (recipes/trl_sft/sft.py, trl_dpo/dpo.py, trl_grpo/grpo.py) share:
-ringft's command-line flags next to TRL's own (one dataclass for ``TrlParser``), and the files a
-run leaves for the tests and the user (the Trainer's logs, the layout it ran on, the model)."""
+ringft's command-line flags next to TRL's own (one dataclass for ``TrlParser``), the datasets
+TRL's ``ScriptArguments`` name (train and eval splits), and the files a run leaves for the tests
+and the user (the Trainer's logs, the layout it ran on, the model)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ringft.ops.sharding import ulysses_size_problem
 from ringft.utils.options import option_field
 
-__all__ = ["RingArguments", "write_run_files"]
+__all__ = ["RingArguments", "load_records", "script_datasets", "write_run_files"]
+
+LOCAL = (".json", ".jsonl")
 
 
 @dataclass
@@ -35,10 +40,60 @@ class RingArguments:
                 "error: --loss_chunk_size / --tiled_mlp_tokens apply to SFT (recipes/trl_sft/sft.py); "
                 "DPO and GRPO score through TRL's fused head: drop them"
             )
+        problem = ulysses_size_problem(self.cp_size, self.ulysses_size) if self.ulysses_size != 1 else None
+        if problem:  # (with cp_size 1 the base trainer would run and ignore it)
+            raise SystemExit(f"error: --ulysses_size: {problem}")
         if self.cp_size <= 1 and not self.tiled_mlp_tokens:
             return {}
         ring = dict(cp_size=self.cp_size, ulysses_size=self.ulysses_size, attn_backend=self.attn_backend)
         return {**ring, **memory} if memory_options else ring
+
+
+def load_records(
+    name: str,
+    split: str,
+    seed: int,
+    synthetic: str,
+    make: Callable[[int, int], list[dict]],
+    subset: str | None = None,
+) -> Any:
+    """Split ``split`` of the records ``name`` names, as a ``datasets.Dataset``: ``synthetic[:N]``
+    (``make(N, seed)``, N = 512 by default), a local .json / .jsonl file (its records, whatever the
+    split), or a hub dataset (``subset``: its configuration, TRL's ``--dataset_config``)."""
+    import datasets
+
+    if name.startswith(synthetic):
+        n = int(name.split(":")[1]) if ":" in name else 512
+        return datasets.Dataset.from_list(make(n, seed))
+    if name.endswith(LOCAL):
+        return datasets.load_dataset("json", data_files=name, split="train")
+    return datasets.load_dataset(name, subset, split=split)
+
+
+def script_datasets(
+    script: Any, config: Any, synthetic: str, make: Callable[[int, int], list[dict]], evaluate: bool = True
+) -> dict[str, Any]:
+    """``train_dataset`` and, when ``config.eval_strategy`` is not ``"no"`` (and ``evaluate``),
+    ``eval_dataset``, as TRL's own scripts pass them from ``ScriptArguments``: the eval records are
+    the hub dataset's ``--dataset_test_split``, other made-up records (seed + 1) for ``synthetic``,
+    or a local file named by ``--dataset_test_split`` (a local training file has no other split)."""
+    name = script.dataset_name or synthetic
+    train = load_records(
+        name, script.dataset_train_split, config.seed, synthetic, make, script.dataset_config
+    )
+    out = {"train_dataset": train}
+    if not evaluate or config.eval_strategy == "no":
+        return out
+    test = script.dataset_test_split
+    if name.endswith(LOCAL) and not test.endswith(LOCAL):
+        raise SystemExit(
+            f"error: --eval_strategy needs held-out records and {name} is one file: name them with "
+            "--dataset_test_split FILE.jsonl (or --eval_strategy no)"
+        )
+    source = test if test.endswith(LOCAL) else name
+    seed = config.seed + 1 if name.startswith(synthetic) else config.seed
+    out["eval_dataset"] = load_records(source, test, seed, synthetic, make, script.dataset_config)
+    return out
 
 
 def write_run_files(trainer: Any, output_dir: str) -> None:
