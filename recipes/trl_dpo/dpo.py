@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from ringft.train.hf.scripts import RingArguments, script_datasets, write_run_files
+from ringft.train.hf.scripts import RingArguments, load_model, script_datasets, write_run_files
 
 
 def synthetic_pairs(n: int, seed: int) -> list[dict]:
@@ -40,17 +40,11 @@ def synthetic_pairs(n: int, seed: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     """Train (see the module docstring)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig, RingArguments))
     script, config, model_args, ring_args = parser.parse_args_and_config(argv)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    dtype = torch.bfloat16 if config.bf16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path, dtype=dtype, attn_implementation="sdpa"
-    )
+    model, tokenizer = load_model(model_args, config)
     data = dict(
         model=model,
         args=config,

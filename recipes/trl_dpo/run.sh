@@ -29,7 +29,7 @@ CMD=(
     --learning_rate "${LR:-5e-7}"
     --beta 0.1
     --precompute_ref_log_probs true
-    --bf16 true --gradient_checkpointing true
+    --dtype bfloat16 --bf16 true --gradient_checkpointing true
     --logging_steps 1 --save_strategy no --report_to none
     --output_dir "${OUTPUT_DIR:-outputs/trl_dpo}"
     "$@"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import re
 
-from ringft.train.hf.scripts import RingArguments, script_datasets, write_run_files
+from ringft.train.hf.scripts import RingArguments, load_model, script_datasets, write_run_files
 
 
 def synthetic_sums(n: int, seed: int) -> list[dict]:
@@ -53,17 +53,11 @@ def mentions_operands(prompts, completions, **kwargs) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     """Train (see the module docstring)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig, RingArguments))
     script, config, model_args, ring_args = parser.parse_args_and_config(argv)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
-    dtype = torch.bfloat16 if config.bf16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path, dtype=dtype, attn_implementation="sdpa"
-    )
+    model, tokenizer = load_model(model_args, config, padding_side="left")
     data = dict(
         model=model,
         reward_funcs=[correct_answer, mentions_operands],

@@ -28,7 +28,7 @@ CMD=(
     --gradient_accumulation_steps "${GRAD_ACCUM:-4}"
     --learning_rate "${LR:-1e-6}"
     --beta 0.04 --loss_type dapo
-    --bf16 true --gradient_checkpointing true
+    --dtype bfloat16 --bf16 true --gradient_checkpointing true
     --logging_steps 1 --save_strategy no --report_to none
     --output_dir "${OUTPUT_DIR:-outputs/trl_grpo}"
     "$@"

@@ -23,7 +23,7 @@ adapter) to ``<output-dir>/final``.
 import random
 from typing import Any
 
-from ringft.train.hf.scripts import RingArguments, script_datasets, write_run_files
+from ringft.train.hf.scripts import RingArguments, load_model, script_datasets, write_run_files
 
 
 def synthetic_chats(n: int, seed: int) -> list[dict]:
@@ -61,8 +61,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, Any, Any, RingArgume
 def main(argv: list[str] | None = None) -> None:
     """Train (see the module docstring)."""
     script, config, model_args, ring_args = parse_args(argv)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer, get_peft_config
 
     from ringft import RingTrainerMixin
@@ -70,13 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
         """TRL's SFTTrainer on ringft's ring."""
 
-    name = model_args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(name, revision=model_args.model_revision)
-    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        name, revision=model_args.model_revision, dtype=dtype,
-        attn_implementation=model_args.attn_implementation or "sdpa",
-    )  # fmt: skip
+    model, tokenizer = load_model(model_args, config)
     ring = ring_args.trainer_keywords()
     trainer = (RingSFTTrainer if ring else SFTTrainer)(
         model=model,

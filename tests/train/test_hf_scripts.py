@@ -46,3 +46,49 @@ def test_ulysses_size_that_cannot_split_the_ring_is_refused():
     for cp in (1, 3):
         with pytest.raises(SystemExit, match=f"ulysses_size=2 does not divide cp_size={cp}"):
             RingArguments(cp_size=cp, ulysses_size=2).trainer_keywords()
+
+
+def test_loss_chunk_size_without_a_ring_is_refused():
+    """``--loss_chunk_size`` with ``--cp_size 1``: the base trainer computes its own loss, so the
+    flag would be ignored: refused."""
+    assert RingArguments(cp_size=1).trainer_keywords() == {}
+    with pytest.raises(SystemExit, match="--loss_chunk_size applies to the ring"):
+        RingArguments(cp_size=1, loss_chunk_size=1024).trainer_keywords()
+
+
+def test_model_flags_reach_from_pretrained(monkeypatch):
+    """TRL's model flags are used as TRL's own scripts use them (none silently ignored); a quantized
+    base is refused by name."""
+    import torch
+    import transformers
+    from trl import ModelConfig
+
+    from ringft.train.hf.scripts import load_model
+
+    calls = {}
+
+    def recorder(kind):
+        return classmethod(lambda cls, name, **kw: calls.setdefault(kind, (name, kw)))
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recorder("model"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recorder("tokenizer"))
+    model_args = ModelConfig(
+        model_name_or_path="m", model_revision="r1", dtype="bfloat16", attn_implementation="eager"
+    )
+    config = SimpleNamespace(trust_remote_code=True, model_init_kwargs={"low_cpu_mem_usage": True})
+    load_model(model_args, config, padding_side="left")
+    assert calls["model"] == (
+        "m",
+        dict(
+            revision="r1",
+            trust_remote_code=True,
+            attn_implementation="eager",
+            dtype=torch.bfloat16,
+            low_cpu_mem_usage=True,
+        ),
+    )
+    assert calls["tokenizer"] == ("m", dict(revision="r1", trust_remote_code=True, padding_side="left"))
+    assert config.model_init_kwargs is None  # applied here, not again by the trainer
+    for flag in ("load_in_4bit", "load_in_8bit"):
+        with pytest.raises(SystemExit, match="--load_in_4bit / --load_in_8bit: quantized"):
+            load_model(ModelConfig(model_name_or_path="m", **{flag: True}), config)

@@ -14,7 +14,7 @@ from typing import Any
 from ringft.ops.sharding import ulysses_size_problem
 from ringft.utils.options import option_field
 
-__all__ = ["RingArguments", "load_records", "script_datasets", "write_run_files"]
+__all__ = ["RingArguments", "load_model", "load_records", "script_datasets", "write_run_files"]
 
 LOCAL = (".json", ".jsonl")
 
@@ -44,9 +44,42 @@ class RingArguments:
         if problem:  # (with cp_size 1 the base trainer would run and ignore it)
             raise SystemExit(f"error: --ulysses_size: {problem}")
         if self.cp_size <= 1 and not self.tiled_mlp_tokens:
+            if self.loss_chunk_size != 4096:  # (the base trainer computes its own loss)
+                raise SystemExit("error: --loss_chunk_size applies to the ring (--cp_size > 1): drop it")
             return {}
         ring = dict(cp_size=self.cp_size, ulysses_size=self.ulysses_size, attn_backend=self.attn_backend)
         return {**ring, **memory} if memory_options else ring
+
+
+def load_model(model_args: Any, config: Any, padding_side: str | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` named by TRL's ``ModelConfig``, loaded with the keywords TRL's own
+    scripts use (``--model_revision``, ``--dtype``, ``--attn_implementation`` (default ``sdpa``),
+    ``--trust_remote_code`` and ``--model_init_kwargs``, which then stay with this model). A
+    quantized base (``--load_in_4bit`` / ``--load_in_8bit``) is refused: not tested on the ring."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise SystemExit(
+            "error: --load_in_4bit / --load_in_8bit: quantized (QLoRA) base models are not supported "
+            "by ringft's scripts (not tested on the ring): load the model in bf16 and use --use_peft"
+        )
+    if not model_args.model_name_or_path:
+        raise SystemExit("error: --model_name_or_path is required (a hub name or a model folder)")
+    dtype = model_args.dtype
+    kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=bool(getattr(config, "trust_remote_code", False)),
+        attn_implementation=model_args.attn_implementation or "sdpa",
+        dtype=dtype if dtype in ("auto", None) else getattr(torch, dtype),
+    )
+    kwargs.update(getattr(config, "model_init_kwargs", None) or {})
+    config.model_init_kwargs = None  # applied here (the trainer gets a loaded model)
+    name = model_args.model_name_or_path
+    shared = {"revision": model_args.model_revision, "trust_remote_code": kwargs["trust_remote_code"]}
+    padding = {"padding_side": padding_side} if padding_side else {}
+    tokenizer = AutoTokenizer.from_pretrained(name, **shared, **padding)
+    return AutoModelForCausalLM.from_pretrained(name, **kwargs), tokenizer
 
 
 def load_records(
