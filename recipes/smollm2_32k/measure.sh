@@ -25,14 +25,7 @@ AFTER=${AFTER:-outputs/smollm2_32k/stage2_32k/final}
 OUT=${OUT:-outputs/smollm2_32k/eval}
 CONFIG=${ACCELERATE_CONFIG:-recipes/accelerate/1node_8gpu.yaml}
 
-run() {
-    if dry_run; then
-        printf '%q ' "$@"
-        printf '\n'
-    else
-        "$@"
-    fi
-}
+run() { _stage_exec "$@"; }  # DRY_RUN: prints the command
 
 for style in ${STYLES:-ringft longchat}; do
     for side in ${SIDES:-before after}; do

@@ -34,8 +34,4 @@ CMD=(
     --output_dir "${OUTPUT_DIR:-outputs/trl_dpo}"
     "$@"
 )
-if dry_run; then
-    echo "${CMD[@]}"
-else
-    "${CMD[@]}"
-fi
+_stage_exec "${CMD[@]}"  # DRY_RUN: prints the command, quoted (re-runnable)

@@ -33,8 +33,4 @@ CMD=(
     --output_dir "${OUTPUT_DIR:-outputs/trl_grpo}"
     "$@"
 )
-if dry_run; then
-    echo "${CMD[@]}"
-else
-    "${CMD[@]}"
-fi
+_stage_exec "${CMD[@]}"  # DRY_RUN: prints the command, quoted (re-runnable)

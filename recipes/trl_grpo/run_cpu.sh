@@ -36,8 +36,4 @@ else
     CMD=("${ACCELERATE:-accelerate}" launch --config_file recipes/accelerate/cpu_2proc.yaml ${LAUNCH_ARGS:-}
         recipes/trl_grpo/grpo.py "${ARGS[@]}" --cp_size 2 "$@")
 fi
-if dry_run; then
-    echo "${CMD[@]}"
-else
-    exec "${CMD[@]}"
-fi
+_stage_exec "${CMD[@]}"  # DRY_RUN: prints the command, quoted (re-runnable)

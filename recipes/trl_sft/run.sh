@@ -55,8 +55,4 @@ CMD=(
     --output_dir "${OUTPUT_DIR:-outputs/trl_sft}"
     "$@"
 )
-if dry_run; then
-    echo "${CMD[@]}"
-else
-    "${CMD[@]}"
-fi
+_stage_exec "${CMD[@]}"  # DRY_RUN: prints the command, quoted (re-runnable)
