@@ -130,6 +130,18 @@ def _trainer_class(base: type) -> type:
             dataset = train_dataset if train_dataset is not None else self.train_dataset
             return RecipeSampler(len(dataset), self.recipe.train.seed, self.recipe.data.shuffle)
 
+        def _get_dataloader(self, *args: Any, is_training: bool = False, **kwargs: Any) -> Any:
+            """Training drops a last partial batch (every optimizer step reads a whole global
+            batch); with one replica an eval split is read whole (a last partial batch is exact on
+            the ring), with several its partial last global batch is dropped (accelerate would
+            fill it up with repeated rows, which the DP-wide token mean would count)."""
+            keep = self.args.dataloader_drop_last
+            self.args.dataloader_drop_last = keep and (is_training or self.ring_layout.dp_size > 1)
+            try:
+                return super()._get_dataloader(*args, is_training=is_training, **kwargs)
+            finally:
+                self.args.dataloader_drop_last = keep
+
         def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
             return decayed_parameters(model, self._decay, self.args.weight_decay)
 
@@ -213,12 +225,26 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
             master_weights=True,
             ring_path=True,
         )
+        _check_eval_batches(trainer, t.micro_batch_size)
     except BaseException:
         folder.release()
         raise
     _quiet(trainer, progress)
     folder.attach(trainer)
     return trainer, folder
+
+
+def _check_eval_batches(trainer: Any, micro_batch_size: int) -> None:
+    """Refuse an eval split that makes no whole eval batch over several DP replicas (its rows,
+    after TRL's processing for ``data.format``): its eval loss would be silently missing."""
+    dp = trainer.ring_layout.dp_size
+    rows = len(trainer.eval_dataset) if trainer.eval_dataset is not None else None
+    if rows is not None and dp > 1 and rows < dp * micro_batch_size:
+        raise RecipeError(
+            f"the eval split holds {rows} rows, fewer than one eval batch over the {dp} data-parallel "
+            f"replicas ({dp} x train.micro_batch_size {micro_batch_size}): hold out more rows "
+            "(data.eval_fraction, data.eval_path) or drop the eval split"
+        )
 
 
 def _print_main(args: Any, line: str) -> None:

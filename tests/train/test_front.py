@@ -186,7 +186,7 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
         tmp_path / "out",
         data_path,
         train={"num_train_epochs": 2, "eval_steps": 6, "learning_rate": 1e-3, "max_grad_norm": 1.0},
-        data={"eval_fraction": 0.25},
+        data={"eval_fraction": 0.23},  # 11 rows: a last eval batch of 1 row, read (dp 1)
         checkpoint={"push_to_hub": True, "hub_model_id": "someone/tiny", "save_total_limit": 1},
         logging={"report_to": "tensorboard"},
     )
@@ -200,14 +200,14 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
             result = front._run(trainer, folder, recipe)
         finally:
             folder.release()
-        # 48 rows: 12 held out, 36 train = 18 steps of 2 rows per epoch
+        # 48 rows: 11 held out, 37 train = 18 steps of 2 rows per epoch (the last row dropped)
         assert result.steps == 36 and len(result.losses) == 36
         rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in rows if "eval_loss" in r]
         assert [r["step"] for r in evals] == [6, 12, 18, 24, 30, 36]
         assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-        # the last eval loss as one process computes it (transformers' mean over the eval batches of
-        # each batch's mean token loss), from plain forwards of the trained model, fp64
+        # the last eval loss as one process computes it (transformers' mean over the eval rows of
+        # their batch's mean token loss), from plain forwards of the trained model, fp64
         model = trainer.model
         remove_ring_attention(model)
         rows = list(trainer.eval_dataset)
@@ -223,7 +223,8 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
                         logits[0, :-1].double()[keep], target[keep], reduction="sum"
                     )
                     total, count = total + ce.item(), count + int(keep.sum())
-                batch_losses.append(total / count)
+                batch_losses += [total / count] * len(rows[i : i + 2])
+        assert len(batch_losses) == 11
         expected = sum(batch_losses) / len(batch_losses)
         # fp32 sums over a batch's tokens and the vocabulary vs fp64: LOSS_RTOL (tests/tiny_training.py)
         assert abs(evals[-1]["eval_loss"] - expected) <= LOSS_RTOL * expected
@@ -232,3 +233,19 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_an_eval_split_without_a_whole_batch_over_the_replicas_is_refused():
+    """dp > 1 reads whole global eval batches only: an eval split with fewer rows than one would
+    evaluate nothing, silently; refused (dp 1 reads a partial batch: fine)."""
+    from types import SimpleNamespace
+
+    from ringft.train.front import _check_eval_batches
+
+    def trainer(dp: int, rows: int) -> SimpleNamespace:
+        return SimpleNamespace(ring_layout=SimpleNamespace(dp_size=dp), eval_dataset=[{}] * rows)
+
+    _check_eval_batches(trainer(1, 1), micro_batch_size=2)
+    _check_eval_batches(trainer(2, 4), micro_batch_size=2)
+    with pytest.raises(RecipeError, match="holds 3 rows, fewer than one eval batch over the 2"):
+        _check_eval_batches(trainer(2, 3), micro_batch_size=2)
