@@ -224,7 +224,7 @@ class TrainConfig(Section):
     def check(self) -> None:
         if (mode := self.attention_checkpoint) != "recompute" and not self.gradient_checkpointing:
             raise RecipeError(f"train.attention_checkpoint={mode} needs train.gradient_checkpointing: true")
-        if self.warmup_steps > self.max_steps:
+        if self.num_train_epochs is None and self.warmup_steps > self.max_steps:  # (epochs: steps unknown)
             raise RecipeError(
                 f"train.warmup_steps={self.warmup_steps} is beyond train.max_steps={self.max_steps}: "
                 "use at most max_steps warmup steps"
