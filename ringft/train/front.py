@@ -38,6 +38,7 @@ from ringft.train.errors import RecipeError
 from ringft.train.front_launch import model_construction, prepare_launch
 from ringft.train.front_parts import (
     MetricsCallback,
+    NoFinalCheckpoint,
     RecipeDataset,
     RecipeSampler,
     whole_batch_collator,
@@ -230,6 +231,8 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
         folder.release()
         raise
     _quiet(trainer, progress)
+    if not recipe.checkpoint.save_final:
+        trainer.add_callback(NoFinalCheckpoint)
     folder.attach(trainer)
     return trainer, folder
 

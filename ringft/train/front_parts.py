@@ -23,7 +23,7 @@ from ringft.train.recipe import Recipe
 from ringft.train.run_folder import MetricsFile
 from ringft.train.schedule import peak_memory_gb
 
-__all__ = ["MetricsCallback", "RecipeDataset", "RecipeSampler", "whole_batch_collator"]
+__all__ = ["MetricsCallback", "NoFinalCheckpoint", "RecipeDataset", "RecipeSampler", "whole_batch_collator"]
 
 
 class RecipeDataset(torch.utils.data.Dataset):
@@ -76,6 +76,15 @@ def whole_batch_collator(recipe: Recipe, pad_token_id: int) -> Callable[[list[di
         return {k: full[k] for k in ("input_ids", "position_ids", "shift_labels")}
 
     return collate
+
+
+class NoFinalCheckpoint(TrainerCallback):
+    """``checkpoint.save_final: false``: no checkpoint at the last step (the Trainer writes one
+    there whenever it saves every ``save_steps``); the ``save_every`` ones before it stay."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_save = False
 
 
 class MetricsCallback(TrainerCallback):

@@ -237,7 +237,7 @@ class CheckpointConfig(Section):
 
     NAME = "checkpoint"
     output_dir: str = text("outputs/run")
-    save_every: int = integer(0, lo=0)  # steps; 0 = only at the end
+    save_every: int = integer(0, lo=0)  # steps (and the last step); 0 = no checkpoints, only the export
     keep: int = integer(2, lo=1)  # newest complete checkpoints to keep
     save_final: bool = boolean(True)  # false: neither the last checkpoint nor the export (benchmark runs)
     push_to_hub: bool = boolean(False)  # upload the export (final/) to the Hugging Face Hub

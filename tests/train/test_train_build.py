@@ -190,14 +190,16 @@ def test_no_collective_in_except_or_finally():
 @pytest.mark.timeout(120)
 def test_save_final_false_writes_nothing_at_the_end(tmp_path, short_data):
     """``checkpoint.save_final: false`` (benchmark runs): the steps run and are logged, and neither
-    the last checkpoint nor the export is written."""
-    raw = tiny_recipe(tmp_path / "run", short_data, train={"max_steps": 2}, checkpoint={"save_final": False})
+    the last checkpoint (which the Trainer writes when it saves every N steps) nor the export is
+    written; the checkpoints before it are."""
+    saves = {"save_final": False, "save_every": 1}
+    raw = tiny_recipe(tmp_path / "run", short_data, train={"max_steps": 2}, checkpoint=saves)
     with in_process_front(raw) as run:
         result = run.run()
     out = tmp_path / "run"
     assert result.steps == 2 and len(result.losses) == 2 and result.final_dir is None
     assert not (out / "final").exists()
-    assert not [p for p in out.iterdir() if p.name.startswith("checkpoint")]
+    assert [p.name for p in out.iterdir() if p.name.startswith("checkpoint")] == ["checkpoint-1"]
     assert (out / "metrics.jsonl").read_text().count("\n") == 2
 
 
