@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import sys
 import time
@@ -190,6 +191,7 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
     args = training_arguments(recipe, progress, **launch, **sft_arguments(recipe))
     world = args.world_size
     validate(recipe, world_size=world)
+    _tracker_setup(recipe)
     torch.manual_seed(recipe.train.seed)
     tokenizer = build_tokenizer(recipe)
     config = model_config(recipe, len(tokenizer))
@@ -235,6 +237,20 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
         trainer.add_callback(NoFinalCheckpoint)
     folder.attach(trainer)
     return trainer, folder
+
+
+def _tracker_setup(recipe: Recipe) -> None:
+    """wandb: the recipe's ``logging.project`` is the project (transformers' callback reads
+    ``WANDB_PROJECT``), and a missing package is refused before the model loads."""
+    lg = recipe.logging
+    if lg.tracker != "wandb":
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise RecipeError(
+            "logging.tracker wandb needs the wandb package: pip install wandb (then wandb login), or "
+            "set logging.tracker to tensorboard or none"
+        )
+    os.environ["WANDB_PROJECT"] = lg.project
 
 
 def _check_eval_batches(trainer: Any, micro_batch_size: int) -> None:

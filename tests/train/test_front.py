@@ -249,3 +249,23 @@ def test_an_eval_split_without_a_whole_batch_over_the_replicas_is_refused():
     _check_eval_batches(trainer(2, 4), micro_batch_size=2)
     with pytest.raises(RecipeError, match="holds 3 rows, fewer than one eval batch over the 2"):
         _check_eval_batches(trainer(2, 3), micro_batch_size=2)
+
+
+def test_wandb_project_is_the_recipes(tmp_path, monkeypatch):
+    """logging.project names the wandb project (transformers' WandbCallback reads WANDB_PROJECT);
+    without the wandb package the tracker is refused before any model loads."""
+    import importlib.util
+    import os
+
+    from ringft.train.front import _tracker_setup
+
+    raw = tiny_recipe(tmp_path, tmp_path, logging={"tracker": "wandb", "project": "long-ctx"})
+    raw["data"] = {"synthetic": {}, "seq_len": 64}
+    recipe = recipe_from_dict(raw)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RecipeError, match="logging.tracker wandb needs the wandb package"):
+        _tracker_setup(recipe)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    _tracker_setup(recipe)
+    assert os.environ["WANDB_PROJECT"] == "long-ctx"
