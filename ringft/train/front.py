@@ -228,7 +228,7 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
             master_weights=True,
             ring_path=True,
         )
-        _check_eval_batches(trainer, t.micro_batch_size)
+        _check_batches(trainer, t.micro_batch_size)
     except BaseException:
         folder.release()
         raise
@@ -253,16 +253,26 @@ def _tracker_setup(recipe: Recipe) -> None:
     os.environ["WANDB_PROJECT"] = lg.project
 
 
-def _check_eval_batches(trainer: Any, micro_batch_size: int) -> None:
-    """Refuse an eval split that makes no whole eval batch over several DP replicas (its rows,
-    after TRL's processing for ``data.format``): its eval loss would be silently missing."""
+def _check_batches(trainer: Any, micro_batch_size: int) -> None:
+    """Refuse a training set without one whole batch over the data-parallel replicas (the Trainer
+    would stop at step 0 and the untrained model be exported), and an eval split that makes no
+    eval batch (its eval loss silently missing); rows as the trainer holds them (after TRL's
+    processing for ``data.format``)."""
     dp = trainer.ring_layout.dp_size
-    rows = len(trainer.eval_dataset) if trainer.eval_dataset is not None else None
-    if rows is not None and dp > 1 and rows < dp * micro_batch_size:
+    per = dp * micro_batch_size
+    batch = f"{per} rows (train.micro_batch_size {micro_batch_size} x {dp} data-parallel replicas)"
+    rows = len(trainer.train_dataset)
+    if rows < per:
         raise RecipeError(
-            f"the eval split holds {rows} rows, fewer than one eval batch over the {dp} data-parallel "
-            f"replicas ({dp} x train.micro_batch_size {micro_batch_size}): hold out more rows "
-            "(data.eval_fraction, data.eval_path) or drop the eval split"
+            f"the training set holds {rows} rows, fewer than one batch of {batch}: give more data, or "
+            "lower train.micro_batch_size"
+            + (" or data.eval_fraction" if trainer.eval_dataset is not None else "")
+        )
+    rows = len(trainer.eval_dataset) if trainer.eval_dataset is not None else None
+    if rows is not None and rows < (per if dp > 1 else 1):
+        raise RecipeError(
+            f"the eval split holds {rows} rows, fewer than one eval batch of {batch if dp > 1 else '1 row'}: "
+            "hold out more rows (data.eval_fraction, data.eval_path) or drop the eval split"
         )
 
 

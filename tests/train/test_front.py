@@ -235,20 +235,28 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
         GradientState._reset_state()
 
 
-def test_an_eval_split_without_a_whole_batch_over_the_replicas_is_refused():
-    """dp > 1 reads whole global eval batches only: an eval split with fewer rows than one would
-    evaluate nothing, silently; refused (dp 1 reads a partial batch: fine)."""
+def test_data_without_a_whole_batch_over_the_replicas_is_refused():
+    """A training set smaller than one batch would train 0 steps and export the untrained model;
+    dp > 1 reads whole global eval batches only, so a smaller eval split would evaluate nothing,
+    silently: both refused (dp 1 reads a partial eval batch: fine)."""
     from types import SimpleNamespace
 
-    from ringft.train.front import _check_eval_batches
+    from ringft.train.front import _check_batches
 
-    def trainer(dp: int, rows: int) -> SimpleNamespace:
-        return SimpleNamespace(ring_layout=SimpleNamespace(dp_size=dp), eval_dataset=[{}] * rows)
+    def trainer(dp: int, train: int, evals: int | None = None) -> SimpleNamespace:
+        evals = None if evals is None else [{}] * evals
+        return SimpleNamespace(
+            ring_layout=SimpleNamespace(dp_size=dp), train_dataset=[{}] * train, eval_dataset=evals
+        )
 
-    _check_eval_batches(trainer(1, 1), micro_batch_size=2)
-    _check_eval_batches(trainer(2, 4), micro_batch_size=2)
-    with pytest.raises(RecipeError, match="holds 3 rows, fewer than one eval batch over the 2"):
-        _check_eval_batches(trainer(2, 3), micro_batch_size=2)
+    _check_batches(trainer(1, 2, 1), micro_batch_size=2)
+    _check_batches(trainer(2, 4, 4), micro_batch_size=2)
+    with pytest.raises(RecipeError, match="training set holds 3 rows, fewer than one batch of 4 rows"):
+        _check_batches(trainer(2, 3), micro_batch_size=2)
+    with pytest.raises(RecipeError, match="eval split holds 3 rows, fewer than one eval batch of 4 rows"):
+        _check_batches(trainer(2, 4, 3), micro_batch_size=2)
+    with pytest.raises(RecipeError, match="eval split holds 0 rows"):
+        _check_batches(trainer(1, 2, 0), micro_batch_size=2)
 
 
 def test_wandb_project_is_the_recipes(tmp_path, monkeypatch):
