@@ -38,8 +38,8 @@ from ringft.train.data import load_training_data, split_eval_data
 from ringft.train.errors import RecipeError
 from ringft.train.front_launch import model_construction, prepare_launch
 from ringft.train.front_parts import (
+    LastStep,
     MetricsCallback,
-    NoFinalCheckpoint,
     RecipeDataset,
     RecipeSampler,
     whole_batch_collator,
@@ -233,8 +233,7 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
         folder.release()
         raise
     _quiet(trainer, progress)
-    if not recipe.checkpoint.save_final:
-        trainer.add_callback(NoFinalCheckpoint)
+    trainer.add_callback(LastStep(recipe.checkpoint.save_final))
     folder.attach(trainer)
     return trainer, folder
 

@@ -4,6 +4,7 @@ the matrices of a ZeRO-3-partitioned model."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -189,18 +190,24 @@ def test_no_collective_in_except_or_finally():
 
 @pytest.mark.timeout(120)
 def test_save_final_false_writes_nothing_at_the_end(tmp_path, short_data):
-    """``checkpoint.save_final: false`` (benchmark runs): the steps run and are logged, and neither
-    the last checkpoint (which the Trainer writes when it saves every N steps) nor the export is
-    written; the checkpoints before it are."""
+    """``checkpoint.save_final: false`` (benchmark runs): the steps run and are logged (the last
+    one too, off the ``log_every`` grid), and neither the last checkpoint (which the Trainer writes
+    when it saves every N steps) nor the export is written; the checkpoints before it are."""
     saves = {"save_final": False, "save_every": 1}
-    raw = tiny_recipe(tmp_path / "run", short_data, train={"max_steps": 2}, checkpoint=saves)
+    raw = tiny_recipe(
+        tmp_path / "run", short_data, train={"max_steps": 3}, checkpoint=saves, logging={"log_every": 2}
+    )
     with in_process_front(raw) as run:
         result = run.run()
     out = tmp_path / "run"
-    assert result.steps == 2 and len(result.losses) == 2 and result.final_dir is None
+    assert result.steps == 3 and len(result.losses) == 2 and result.final_dir is None
     assert not (out / "final").exists()
-    assert [p.name for p in out.iterdir() if p.name.startswith("checkpoint")] == ["checkpoint-1"]
-    assert (out / "metrics.jsonl").read_text().count("\n") == 2
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3]
 
 
 def test_recipe_attention_tiles_reach_the_ring(tmp_path, short_data):
