@@ -199,6 +199,11 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
     base, datasets, notes = inputs(recipe, tokenizer, config.vocab_size)
     if recipe.train.eval_every and datasets["eval_dataset"] is None:
         raise RecipeError("train.eval_every needs an eval split: set data.eval_path or data.eval_fraction")
+    if not recipe.train.eval_every and datasets["eval_dataset"] is not None:
+        notes = [
+            *notes,
+            "warning: the eval split is never evaluated (train.eval_every: 0): set train.eval_every",
+        ]
     folder = RunFolder(recipe, world)
     folder.claim(resume, is_main=args.process_index == 0)
     try:

@@ -266,3 +266,11 @@ def test_fsdp_export_keeps_each_tensors_loaded_dtype_and_resume_needs_a_saved_st
     assert not has_optimizer_state(tmp_path)
     (tmp_path / "optimizer_0").mkdir()
     assert has_optimizer_state(tmp_path)
+
+
+def test_an_eval_split_never_evaluated_is_named(tmp_path, short_data, capsys):
+    """Rows held out for evaluation without train.eval_every would silently leave training: warned."""
+    raw = tiny_recipe(tmp_path / "out", short_data, data={"eval_fraction": 0.25})
+    with in_process_front(raw):
+        pass
+    assert "the eval split is never evaluated (train.eval_every: 0)" in capsys.readouterr().out
