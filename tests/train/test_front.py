@@ -146,6 +146,13 @@ def test_run_folder_refusals(tmp_path, data_path):
     holder.release()
     assert not (folder.out / "metrics.jsonl").exists()
 
+    (folder.out / "final").mkdir()
+    (folder.out / "final" / "ringft_recipe.json").write_text("{}")  # a finished run without checkpoints
+    with pytest.raises(RecipeError, match="holds the export of a finished run .final/.: choose another"):
+        folder.claim(False, is_main=True)
+    with pytest.raises(RecipeError, match="--resume: .* finished run .final/. and no checkpoint to continue"):
+        folder.claim(True, is_main=True)
+
     _fake_checkpoint(folder, 2)
     with pytest.raises(RecipeError, match="already holds checkpoints of a run .checkpoint-2.: pass --resume"):
         folder.claim(False, is_main=True)
