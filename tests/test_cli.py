@@ -80,6 +80,8 @@ def test_overrides_take_key_equals_value():
     "section,key,hint",
     [
         ("train", "lrr", "did you mean train.lr?"),
+        ("train", "learnin_rate", "did you mean train.learning_rate?"),
+        ("train", "eval_strategy", "eval_strategy is train.eval_every"),
         ("checkpoint", "learning_rate", "learning_rate is train.lr"),
         ("train", "output_dir", "did you mean checkpoint.output_dir?"),
         ("model", "gradient_accumulation_steps", "is train.grad_accum"),
@@ -108,6 +110,11 @@ def test_hugging_face_names_in_their_section():
     assert recipe.logging.tracker == "none"
     with pytest.raises(RecipeError, match="train.learning_rate and train.lr are the same setting"):
         recipe_from_dict({**BASE, "train": {"learning_rate": 1e-4, "lr": 1e-4}})
+    # a command-line override by the other name replaces the recipe's key
+    given = {**BASE, "train": {"lr": 1e-4, "gradient_accumulation_steps": 2}}
+    over = ["--train.learning_rate", "3e-4", "--train.grad_accum=4"]
+    assert recipe_from_dict(apply_overrides(given, over)).train.lr == 3e-4
+    assert recipe_from_dict(apply_overrides(given, over)).train.grad_accum == 4
 
 
 def test_a_folder_given_as_a_recipe(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import sys
 import time
@@ -37,6 +38,7 @@ from ringft.train.data import load_training_data, split_eval_data
 from ringft.train.errors import RecipeError
 from ringft.train.front_launch import model_construction, prepare_launch
 from ringft.train.front_parts import (
+    LastStep,
     MetricsCallback,
     RecipeDataset,
     RecipeSampler,
@@ -130,6 +132,18 @@ def _trainer_class(base: type) -> type:
             dataset = train_dataset if train_dataset is not None else self.train_dataset
             return RecipeSampler(len(dataset), self.recipe.train.seed, self.recipe.data.shuffle)
 
+        def _get_dataloader(self, *args: Any, is_training: bool = False, **kwargs: Any) -> Any:
+            """Training drops a last partial batch (every optimizer step reads a whole global
+            batch); with one replica an eval split is read whole (a last partial batch is exact on
+            the ring), with several its partial last global batch is dropped (accelerate would
+            fill it up with repeated rows, which the DP-wide token mean would count)."""
+            keep = self.args.dataloader_drop_last
+            self.args.dataloader_drop_last = keep and (is_training or self.ring_layout.dp_size > 1)
+            try:
+                return super()._get_dataloader(*args, is_training=is_training, **kwargs)
+            finally:
+                self.args.dataloader_drop_last = keep
+
         def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
             return decayed_parameters(model, self._decay, self.args.weight_decay)
 
@@ -177,6 +191,7 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
     args = training_arguments(recipe, progress, **launch, **sft_arguments(recipe))
     world = args.world_size
     validate(recipe, world_size=world)
+    _tracker_setup(recipe)
     torch.manual_seed(recipe.train.seed)
     tokenizer = build_tokenizer(recipe)
     config = model_config(recipe, len(tokenizer))
@@ -184,6 +199,11 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
     base, datasets, notes = inputs(recipe, tokenizer, config.vocab_size)
     if recipe.train.eval_every and datasets["eval_dataset"] is None:
         raise RecipeError("train.eval_every needs an eval split: set data.eval_path or data.eval_fraction")
+    if not recipe.train.eval_every and datasets["eval_dataset"] is not None:
+        notes = [
+            *notes,
+            "warning: the eval split is never evaluated (train.eval_every: 0): set train.eval_every",
+        ]
     folder = RunFolder(recipe, world)
     folder.claim(resume, is_main=args.process_index == 0)
     try:
@@ -213,12 +233,51 @@ def build_trainer(recipe: Recipe, resume: bool | str = False, progress: bool = T
             master_weights=True,
             ring_path=True,
         )
+        _check_batches(trainer, t.micro_batch_size)
     except BaseException:
         folder.release()
         raise
     _quiet(trainer, progress)
+    trainer.add_callback(LastStep(recipe.checkpoint.save_final))
     folder.attach(trainer)
     return trainer, folder
+
+
+def _tracker_setup(recipe: Recipe) -> None:
+    """wandb: the recipe's ``logging.project`` is the project (transformers' callback reads
+    ``WANDB_PROJECT``), and a missing package is refused before the model loads."""
+    lg = recipe.logging
+    if lg.tracker != "wandb":
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise RecipeError(
+            "logging.tracker wandb needs the wandb package: pip install wandb (then wandb login), or "
+            "set logging.tracker to tensorboard or none"
+        )
+    os.environ["WANDB_PROJECT"] = lg.project
+
+
+def _check_batches(trainer: Any, micro_batch_size: int) -> None:
+    """Refuse a training set without one whole batch over the data-parallel replicas (the Trainer
+    would stop at step 0 and the untrained model be exported), and an eval split that makes no
+    eval batch (its eval loss silently missing); rows as the trainer holds them (after TRL's
+    processing for ``data.format``)."""
+    dp = trainer.ring_layout.dp_size
+    per = dp * micro_batch_size
+    batch = f"{per} rows (train.micro_batch_size {micro_batch_size} x {dp} data-parallel replicas)"
+    rows = len(trainer.train_dataset)
+    if rows < per:
+        raise RecipeError(
+            f"the training set holds {rows} rows, fewer than one batch of {batch}: give more data, or "
+            "lower train.micro_batch_size"
+            + (" or data.eval_fraction" if trainer.eval_dataset is not None else "")
+        )
+    rows = len(trainer.eval_dataset) if trainer.eval_dataset is not None else None
+    if rows is not None and rows < (per if dp > 1 else 1):
+        raise RecipeError(
+            f"the eval split holds {rows} rows, fewer than one eval batch of {batch if dp > 1 else '1 row'}: "
+            "hold out more rows (data.eval_fraction, data.eval_path) or drop the eval split"
+        )
 
 
 def _print_main(args: Any, line: str) -> None:

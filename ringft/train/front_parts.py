@@ -23,7 +23,7 @@ from ringft.train.recipe import Recipe
 from ringft.train.run_folder import MetricsFile
 from ringft.train.schedule import peak_memory_gb
 
-__all__ = ["MetricsCallback", "RecipeDataset", "RecipeSampler", "whole_batch_collator"]
+__all__ = ["LastStep", "MetricsCallback", "RecipeDataset", "RecipeSampler", "whole_batch_collator"]
 
 
 class RecipeDataset(torch.utils.data.Dataset):
@@ -76,6 +76,21 @@ def whole_batch_collator(recipe: Recipe, pad_token_id: int) -> Callable[[list[di
         return {k: full[k] for k in ("input_ids", "position_ids", "shift_labels")}
 
     return collate
+
+
+class LastStep(TrainerCallback):
+    """The last step is always logged (the mean loss since the previous logged step, as any
+    logged row: ``metrics.jsonl`` and the summary end with it whatever ``logging.log_every``);
+    with ``checkpoint.save_final: false`` it writes no checkpoint (the Trainer writes one there
+    whenever it saves every ``save_steps``; the ``save_every`` ones before it stay)."""
+
+    def __init__(self, save_final: bool):
+        self.save_final = save_final
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+            control.should_save = control.should_save and self.save_final
 
 
 class MetricsCallback(TrainerCallback):

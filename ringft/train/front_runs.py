@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 RUN_FILE = "ringft_run.json"
+EXPORT_RECIPE = "ringft_recipe.json"  # in output_dir/final: the export is complete
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Recipe keys that change the data order, the model or the optimizer's state layout: a resumed run
 # with another value would not continue the checkpointed run exactly (refused).
@@ -162,6 +163,7 @@ class RunFolder:
                 f"({old_steps[-1].relative_to(self.out)}), which this version cannot resume: choose "
                 "another checkpoint.output_dir"
             )
+        finished = (self.out / "final" / EXPORT_RECIPE).is_file()  # only an export: save_every 0
         if not resume:
             existing = checkpoint_folders(self.out)
             if existing:
@@ -169,6 +171,11 @@ class RunFolder:
                     f"checkpoint.output_dir {str(self.out)!r} already holds checkpoints of a run "
                     f"({existing[-1].name}): pass --resume to continue it, or choose another "
                     "checkpoint.output_dir (or delete them) to start a new run"
+                )
+            if finished:
+                raise RecipeError(
+                    f"checkpoint.output_dir {str(self.out)!r} holds the export of a finished run (final/): "
+                    "choose another checkpoint.output_dir (or delete it) to start a new run"
                 )
             return None, []
         if isinstance(resume, str):
@@ -180,6 +187,12 @@ class RunFolder:
                 )
         else:
             folder = _newest_complete(self.out)
+            if folder is None and finished:
+                raise RecipeError(
+                    f"--resume: {self.out} holds the export of a finished run (final/) and no checkpoint to "
+                    "continue it from (checkpoint.save_every: 0 writes none): choose another "
+                    "checkpoint.output_dir, or delete it to train again"
+                )
             if folder is None:
                 return None, [f"--resume: no checkpoint in {self.out}, starting fresh"]
         refused, warned = compare_recipes(_read_run(folder) or {}, self.run_state())
@@ -301,7 +314,7 @@ def export_final(trainer: Any, recipe: Recipe) -> Path:
         if trainer.args.process_index == 0:
             if hasattr(model, "get_base_model"):
                 model.get_base_model().config.save_pretrained(str(final))
-            (final / "ringft_recipe.json").write_text(json.dumps(recipe.to_dict(), indent=1, default=str))
+            (final / EXPORT_RECIPE).write_text(json.dumps(recipe.to_dict(), indent=1, default=str))
 
     write_together("the final model", final, save)
     if spec is not None:

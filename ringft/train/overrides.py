@@ -63,6 +63,9 @@ HF_NAMES: dict[str, str] = {
     "fp16": "model.dtype (bf16 or fp32; fp16 is not supported)",
     "num_train_epochs": "train.num_train_epochs",
     "eval_steps": "train.eval_every",
+    "eval_strategy": "train.eval_every (steps between eval-loss passes; 0 = no evaluation)",
+    "per_device_eval_batch_size": "train.micro_batch_size (the eval batches' size too)",
+    "dataset_text_field": "data.text_field",
     "push_to_hub": "checkpoint.push_to_hub",
     "hub_model_id": "checkpoint.hub_model_id",
     "cp_size": "parallel.cp_size",
@@ -80,10 +83,13 @@ def _hint(where: str, key: str, valid: Iterable[str], elsewhere: Mapping[str, st
     if key in HF_NAMES:
         meaning = HF_NAMES[key]
         return f"{name} (Hugging Face's {key}{': ' if meaning.startswith('not ') else ' is '}{meaning})"
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    if close:
+    own = [*valid, *ALIASES.get(where, {})]  # the section's keys and their Hugging Face names
+    close = difflib.get_close_matches(key, own + (list(HF_NAMES) if where else []), n=1, cutoff=0.6)
+    if not close:
+        return name
+    if close[0] in own:
         return f"{name} (did you mean {where + '.' if where else ''}{close[0]}?)"
-    return name
+    return f"{name} (did you mean {close[0]}? Hugging Face's {close[0]} is {HF_NAMES[close[0]]})"
 
 
 def unknown_keys_message(
@@ -132,7 +138,8 @@ def _pairs(overrides: list[str]) -> list[tuple[str, str]]:
 
 def apply_overrides(raw: dict[str, Any] | None, overrides: list[str]) -> dict[str, Any]:
     """Apply ``["--train.max_steps", "20", "--lora", "null", "--train.lr=1e-5", ...]`` to a parsed
-    recipe (a copy)."""
+    recipe (a copy). An override given by the other name of a key the recipe sets (``--train.learning_rate``
+    for ``train.lr``, or the reverse) replaces it."""
     raw = copy.deepcopy(raw or {})
     for flag, value in _pairs(overrides):
         if not flag.startswith("--") or len(flag) < 3:
@@ -143,8 +150,20 @@ def apply_overrides(raw: dict[str, Any] | None, overrides: list[str]) -> dict[st
             if not isinstance(node.get(part), dict):
                 node[part] = {}
             node = node[part]
+        for other in _other_names(path):  # the override replaces the setting under either name
+            node.pop(other, None)
         try:
             node[path[-1]] = yaml.safe_load(value)
         except yaml.YAMLError:
             node[path[-1]] = value  # not YAML: the text itself
     return raw
+
+
+def _other_names(path: list[str]) -> list[str]:
+    """The other spelling of the setting at ``path`` (``train.learning_rate`` <-> ``train.lr``)."""
+    if len(path) != 2:
+        return []
+    names = ALIASES.get(path[0], {})
+    return [key for hf, key in names.items() if hf == path[1]] + [
+        hf for hf, key in names.items() if key == path[1]
+    ]

@@ -224,7 +224,7 @@ class TrainConfig(Section):
     def check(self) -> None:
         if (mode := self.attention_checkpoint) != "recompute" and not self.gradient_checkpointing:
             raise RecipeError(f"train.attention_checkpoint={mode} needs train.gradient_checkpointing: true")
-        if self.warmup_steps > self.max_steps:
+        if self.num_train_epochs is None and self.warmup_steps > self.max_steps:  # (epochs: steps unknown)
             raise RecipeError(
                 f"train.warmup_steps={self.warmup_steps} is beyond train.max_steps={self.max_steps}: "
                 "use at most max_steps warmup steps"
@@ -237,7 +237,7 @@ class CheckpointConfig(Section):
 
     NAME = "checkpoint"
     output_dir: str = text("outputs/run")
-    save_every: int = integer(0, lo=0)  # steps; 0 = only at the end
+    save_every: int = integer(0, lo=0)  # steps (and the last step); 0 = no checkpoints, only the export
     keep: int = integer(2, lo=1)  # newest complete checkpoints to keep
     save_final: bool = boolean(True)  # false: neither the last checkpoint nor the export (benchmark runs)
     push_to_hub: bool = boolean(False)  # upload the export (final/) to the Hugging Face Hub

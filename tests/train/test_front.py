@@ -146,6 +146,13 @@ def test_run_folder_refusals(tmp_path, data_path):
     holder.release()
     assert not (folder.out / "metrics.jsonl").exists()
 
+    (folder.out / "final").mkdir()
+    (folder.out / "final" / "ringft_recipe.json").write_text("{}")  # a finished run without checkpoints
+    with pytest.raises(RecipeError, match="holds the export of a finished run .final/.: choose another"):
+        folder.claim(False, is_main=True)
+    with pytest.raises(RecipeError, match="--resume: .* finished run .final/. and no checkpoint to continue"):
+        folder.claim(True, is_main=True)
+
     _fake_checkpoint(folder, 2)
     with pytest.raises(RecipeError, match="already holds checkpoints of a run .checkpoint-2.: pass --resume"):
         folder.claim(False, is_main=True)
@@ -186,7 +193,7 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
         tmp_path / "out",
         data_path,
         train={"num_train_epochs": 2, "eval_steps": 6, "learning_rate": 1e-3, "max_grad_norm": 1.0},
-        data={"eval_fraction": 0.25},
+        data={"eval_fraction": 0.23},  # 11 rows: a last eval batch of 1 row, read (dp 1)
         checkpoint={"push_to_hub": True, "hub_model_id": "someone/tiny", "save_total_limit": 1},
         logging={"report_to": "tensorboard"},
     )
@@ -200,14 +207,14 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
             result = front._run(trainer, folder, recipe)
         finally:
             folder.release()
-        # 48 rows: 12 held out, 36 train = 18 steps of 2 rows per epoch
+        # 48 rows: 11 held out, 37 train = 18 steps of 2 rows per epoch (the last row dropped)
         assert result.steps == 36 and len(result.losses) == 36
         rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in rows if "eval_loss" in r]
         assert [r["step"] for r in evals] == [6, 12, 18, 24, 30, 36]
         assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-        # the last eval loss as one process computes it (transformers' mean over the eval batches of
-        # each batch's mean token loss), from plain forwards of the trained model, fp64
+        # the last eval loss as one process computes it (transformers' mean over the eval rows of
+        # their batch's mean token loss), from plain forwards of the trained model, fp64
         model = trainer.model
         remove_ring_attention(model)
         rows = list(trainer.eval_dataset)
@@ -223,7 +230,8 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
                         logits[0, :-1].double()[keep], target[keep], reduction="sum"
                     )
                     total, count = total + ce.item(), count + int(keep.sum())
-                batch_losses.append(total / count)
+                batch_losses += [total / count] * len(rows[i : i + 2])
+        assert len(batch_losses) == 11
         expected = sum(batch_losses) / len(batch_losses)
         # fp32 sums over a batch's tokens and the vocabulary vs fp64: LOSS_RTOL (tests/tiny_training.py)
         assert abs(evals[-1]["eval_loss"] - expected) <= LOSS_RTOL * expected
@@ -232,3 +240,47 @@ def test_epochs_eval_split_hub_and_hf_names(tmp_path, data_path, monkeypatch):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_data_without_a_whole_batch_over_the_replicas_is_refused():
+    """A training set smaller than one batch would train 0 steps and export the untrained model;
+    dp > 1 reads whole global eval batches only, so a smaller eval split would evaluate nothing,
+    silently: both refused (dp 1 reads a partial eval batch: fine)."""
+    from types import SimpleNamespace
+
+    from ringft.train.front import _check_batches
+
+    def trainer(dp: int, train: int, evals: int | None = None) -> SimpleNamespace:
+        evals = None if evals is None else [{}] * evals
+        return SimpleNamespace(
+            ring_layout=SimpleNamespace(dp_size=dp), train_dataset=[{}] * train, eval_dataset=evals
+        )
+
+    _check_batches(trainer(1, 2, 1), micro_batch_size=2)
+    _check_batches(trainer(2, 4, 4), micro_batch_size=2)
+    with pytest.raises(RecipeError, match="training set holds 3 rows, fewer than one batch of 4 rows"):
+        _check_batches(trainer(2, 3), micro_batch_size=2)
+    with pytest.raises(RecipeError, match="eval split holds 3 rows, fewer than one eval batch of 4 rows"):
+        _check_batches(trainer(2, 4, 3), micro_batch_size=2)
+    with pytest.raises(RecipeError, match="eval split holds 0 rows"):
+        _check_batches(trainer(1, 2, 0), micro_batch_size=2)
+
+
+def test_wandb_project_is_the_recipes(tmp_path, monkeypatch):
+    """logging.project names the wandb project (transformers' WandbCallback reads WANDB_PROJECT);
+    without the wandb package the tracker is refused before any model loads."""
+    import importlib.util
+    import os
+
+    from ringft.train.front import _tracker_setup
+
+    raw = tiny_recipe(tmp_path, tmp_path, logging={"tracker": "wandb", "project": "long-ctx"})
+    raw["data"] = {"synthetic": {}, "seq_len": 64}
+    recipe = recipe_from_dict(raw)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RecipeError, match="logging.tracker wandb needs the wandb package"):
+        _tracker_setup(recipe)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    _tracker_setup(recipe)
+    assert os.environ["WANDB_PROJECT"] == "long-ctx"

@@ -96,6 +96,7 @@ def test_cross_field_checks(tmp_path):
     with pytest.raises(RecipeError, match=r"train.warmup_steps=5 is beyond train.max_steps=4"):
         recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 5}))
     recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 4}))  # == max_steps is fine
+    recipe_from_dict(_raw(tmp_path, train={"warmup_steps": 5, "num_train_epochs": 3}))  # epochs decide
     no_ckpt = {"attention_checkpoint": "save", "gradient_checkpointing": False}
     needs = r"^train.attention_checkpoint=save needs train.gradient_checkpointing: true"
     with pytest.raises(RecipeError, match=needs):

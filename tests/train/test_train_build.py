@@ -4,6 +4,7 @@ the matrices of a ZeRO-3-partitioned model."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -189,16 +190,24 @@ def test_no_collective_in_except_or_finally():
 
 @pytest.mark.timeout(120)
 def test_save_final_false_writes_nothing_at_the_end(tmp_path, short_data):
-    """``checkpoint.save_final: false`` (benchmark runs): the steps run and are logged, and neither
-    the last checkpoint nor the export is written."""
-    raw = tiny_recipe(tmp_path / "run", short_data, train={"max_steps": 2}, checkpoint={"save_final": False})
+    """``checkpoint.save_final: false`` (benchmark runs): the steps run and are logged (the last
+    one too, off the ``log_every`` grid), and neither the last checkpoint (which the Trainer writes
+    when it saves every N steps) nor the export is written; the checkpoints before it are."""
+    saves = {"save_final": False, "save_every": 1}
+    raw = tiny_recipe(
+        tmp_path / "run", short_data, train={"max_steps": 3}, checkpoint=saves, logging={"log_every": 2}
+    )
     with in_process_front(raw) as run:
         result = run.run()
     out = tmp_path / "run"
-    assert result.steps == 2 and len(result.losses) == 2 and result.final_dir is None
+    assert result.steps == 3 and len(result.losses) == 2 and result.final_dir is None
     assert not (out / "final").exists()
-    assert not [p for p in out.iterdir() if p.name.startswith("checkpoint")]
-    assert (out / "metrics.jsonl").read_text().count("\n") == 2
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3]
 
 
 def test_recipe_attention_tiles_reach_the_ring(tmp_path, short_data):
@@ -257,3 +266,11 @@ def test_fsdp_export_keeps_each_tensors_loaded_dtype_and_resume_needs_a_saved_st
     assert not has_optimizer_state(tmp_path)
     (tmp_path / "optimizer_0").mkdir()
     assert has_optimizer_state(tmp_path)
+
+
+def test_an_eval_split_never_evaluated_is_named(tmp_path, short_data, capsys):
+    """Rows held out for evaluation without train.eval_every would silently leave training: warned."""
+    raw = tiny_recipe(tmp_path / "out", short_data, data={"eval_fraction": 0.25})
+    with in_process_front(raw):
+        pass
+    assert "the eval split is never evaluated (train.eval_every: 0)" in capsys.readouterr().out
