@@ -115,6 +115,13 @@ def test_hugging_face_names_in_their_section():
     over = ["--train.learning_rate", "3e-4", "--train.grad_accum=4"]
     assert recipe_from_dict(apply_overrides(given, over)).train.lr == 3e-4
     assert recipe_from_dict(apply_overrides(given, over)).train.grad_accum == 4
+    # report_to as Hugging Face writes it: a name or a list of one; several trackers refused by name
+    spelled = ((["tensorboard"], "tensorboard"), ("wandb", "wandb"), ([], "none"), (None, "none"))
+    for value, tracker in spelled:
+        assert recipe_from_dict({**BASE, "logging": {"report_to": value}}).logging.tracker == tracker
+    for value in (["tensorboard", "wandb"], "all"):
+        with pytest.raises(RecipeError, match="logging.report_to=.* a recipe logs to one tracker"):
+            recipe_from_dict({**BASE, "logging": {"report_to": value}})
 
 
 def test_a_folder_given_as_a_recipe(tmp_path):

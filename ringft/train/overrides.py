@@ -114,8 +114,21 @@ def resolve_aliases(where: str, values: dict[str, Any]) -> dict[str, Any]:
         if hf in out:
             if key in out:
                 raise RecipeError(f"{where}.{hf} and {where}.{key} are the same setting: give one of them")
-            out[key] = out.pop(hf)
+            out[key] = _report_to(out.pop(hf)) if hf == "report_to" else out.pop(hf)
     return out
+
+
+def _report_to(value: Any) -> Any:
+    """``logging.report_to`` as Hugging Face writes it (a name, a list of names, ``none``) -> the one
+    ``logging.tracker``; several trackers, or ``all``, are refused by that name."""
+    names = [value] if isinstance(value, str) or value is None else list(value)
+    names = [n for n in names if n not in (None, "none")]
+    if len(names) > 1 or names == ["all"]:
+        raise RecipeError(
+            f"logging.report_to={value!r}: a recipe logs to one tracker (tensorboard or wandb); "
+            "name one, or none"
+        )
+    return names[0] if names else "none"
 
 
 def _pairs(overrides: list[str]) -> list[tuple[str, str]]:
