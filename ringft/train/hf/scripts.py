@@ -17,6 +17,7 @@ from ringft.utils.options import option_field
 __all__ = ["RingArguments", "load_model", "load_records", "script_datasets", "write_run_files"]
 
 LOCAL = (".json", ".jsonl")
+NO_MEMORY_OPTIONS = {"loss_chunk_size": 4096, "tiled_mlp_tokens": None}  # the flags' defaults
 
 
 @dataclass
@@ -27,15 +28,15 @@ class RingArguments:
     cp_size: int = option_field("cp_size", 1)  # 1: TRL's trainer unchanged
     ulysses_size: int = option_field("ulysses_size", 1)
     attn_backend: str = option_field("attn_backend", "auto")  # old flag: --ring_backend
-    loss_chunk_size: int = option_field("loss_chunk_size", 4096)
-    tiled_mlp_tokens: int | None = option_field("tiled_mlp_tokens", None)
+    loss_chunk_size: int = option_field("loss_chunk_size", NO_MEMORY_OPTIONS["loss_chunk_size"])
+    tiled_mlp_tokens: int | None = option_field("tiled_mlp_tokens", NO_MEMORY_OPTIONS["tiled_mlp_tokens"])
 
     def trainer_keywords(self, memory_options: bool = True) -> dict[str, Any]:
         """The keywords a ring trainer takes, or ``{}`` when the base trainer should run as it is.
         ``memory_options=False`` (DPO, GRPO: they score through TRL's own fused head): the chunked
         loss's and the tiled MLP's flags are refused instead of being ignored."""
         memory = dict(loss_chunk_size=self.loss_chunk_size, tiled_mlp_tokens=self.tiled_mlp_tokens)
-        if not memory_options and memory != {"loss_chunk_size": 4096, "tiled_mlp_tokens": None}:
+        if not memory_options and memory != NO_MEMORY_OPTIONS:
             raise SystemExit(
                 "error: --loss_chunk_size / --tiled_mlp_tokens apply to SFT (recipes/trl_sft/sft.py); "
                 "DPO and GRPO score through TRL's fused head: drop them"
@@ -44,7 +45,7 @@ class RingArguments:
         if problem:  # (with cp_size 1 the base trainer would run and ignore it)
             raise SystemExit(f"error: --ulysses_size: {problem}")
         if self.cp_size <= 1 and not self.tiled_mlp_tokens:
-            if self.loss_chunk_size != 4096:  # (the base trainer computes its own loss)
+            if self.loss_chunk_size != NO_MEMORY_OPTIONS["loss_chunk_size"]:  # (the base trainer's own loss)
                 raise SystemExit("error: --loss_chunk_size applies to the ring (--cp_size > 1): drop it")
             return {}
         ring = dict(cp_size=self.cp_size, ulysses_size=self.ulysses_size, attn_backend=self.attn_backend)
