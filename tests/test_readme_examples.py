@@ -9,7 +9,7 @@ or says it is launched (``accelerate launch``: a Trainer joins the launch's grou
 ``RINGFT_EXAMPLE_DEVICE=cpu`` (the switch the examples honour: gloo, fp32), ``RINGFT_EXAMPLE_MODEL``
 pointing at a tiny saved LLaMA with the shipped demo tokenizer, and a fresh working folder.
 
-README's own-loop example gets an epilogue that checks it against the oracle: one process, no ring,
+The own-loop example (docs/api.md) gets an epilogue that checks it against the oracle: one process, no ring,
 the whole batch. Tolerance: the ring reorders fp32 sums (attention over <= 2 x 256 keys, the loss
 over as many tokens and a vocabulary of 1658, hidden 32, intermediate 64): eps32 x their total
 length, relative to the loss and to each gradient's largest entry.
@@ -88,7 +88,7 @@ assert abs(total.item() - expected) <= rtol * abs(expected), (total.item(), expe
 for (key, p), q in zip(model.named_parameters(), reference.parameters()):
     err = ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
     assert err <= rtol, (key, err)
-print(f"rank {rank}: the README example matches one process", flush=True)
+print(f"rank {rank}: the own-loop example matches one process", flush=True)
 """
 
 
@@ -98,7 +98,7 @@ def _is_distributed(block: Block) -> bool:
 
 def _is_own_loop(block: Block) -> bool:
     code = block.code
-    return block.page == "README.md" and "apply_ring_attention" in code and "loss_normalization" in code
+    return block.page == "docs/api.md" and "apply_ring_attention" in code and "loss_normalization" in code
 
 
 # An orderly end of a torchrun example: the process group destroyed before the interpreter exits
@@ -183,4 +183,4 @@ def test_doc_example_runs(block, tiny_model_dir, tmp_path):
     )
     assert proc.returncode == 0, f"{block.id}\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
     if _is_own_loop(block):
-        assert proc.stdout.count("the README example matches one process") == 2, proc.stdout
+        assert proc.stdout.count("the own-loop example matches one process") == 2, proc.stdout
