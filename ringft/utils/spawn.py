@@ -69,6 +69,9 @@ def _worker(fn, rank: int, world_size: int, port: int, timeout: float, args, que
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        # every rank's connections made before any runs ``fn``: a rank that leaves the group at once
+        # (a worker that forms its own) would otherwise take rank 0's store away from a slower rank
+        dist.barrier()
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - the traceback is sent to the parent
